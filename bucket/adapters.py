@@ -1,0 +1,90 @@
+"""Immutable, versioned adapters.
+
+Publish order: the adapter files, then COMMITTED.json (sizes + sha256 of each
+file), then adapters/LATEST.json. A reader trusts a version only once its
+commit marker exists, so a trainer that dies mid-upload leaves a folder that
+nobody loads; the next trainer skips that number instead of reusing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from bucket import layout
+from bucket.store import BucketError, NotFound, Store
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+class AdapterCorrupt(BucketError):
+    pass
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def next_version(store: Store) -> int:
+    """One past every version folder ever started, committed or not: names are never reused."""
+    versions = [v for v in (layout.parse_version_dir(n) for n in store.list(layout.ADAPTERS)) if v is not None]
+    return max(versions, default=0) + 1
+
+
+def publish(store: Store, version: int, files: dict[str, bytes], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    key = layout.adapter_key(version)
+    if store.exists(f"{key}/{layout.COMMIT_MARKER}"):
+        raise BucketError(f"adapter {key} is already committed; versions are immutable")
+    for name, data in files.items():
+        store.put_bytes(f"{key}/{name}", data)
+    marker = {
+        "version": version,
+        "committed_at": time.time(),
+        "files": {name: {"size": len(data), "sha256": sha256(data)} for name, data in files.items()},
+        **(meta or {}),
+    }
+    store.put_json(f"{key}/{layout.COMMIT_MARKER}", marker)
+    store.put_json(layout.ADAPTERS_LATEST, {"version": version, "committed_at": marker["committed_at"]})
+    return marker
+
+
+def commit_marker(store: Store, version: int) -> dict[str, Any] | None:
+    try:
+        return store.get_json(f"{layout.adapter_key(version)}/{layout.COMMIT_MARKER}")
+    except NotFound:
+        return None
+
+
+def latest_version(store: Store) -> int | None:
+    """Newest committed version, from the LATEST pointer (one small read)."""
+    try:
+        return int(store.get_json(layout.ADAPTERS_LATEST)["version"])
+    except NotFound:
+        return None
+
+
+def committed_versions(store: Store) -> list[int]:
+    out = []
+    for name in store.list(layout.ADAPTERS):
+        v = layout.parse_version_dir(name)
+        if v is not None and store.exists(f"{layout.ADAPTERS}/{name}/{layout.COMMIT_MARKER}"):
+            out.append(v)
+    return sorted(out)
+
+
+def read_verified(store: Store, version: int) -> dict[str, bytes]:
+    """The files of a committed version, checked against their checksums."""
+    marker = commit_marker(store, version)
+    if marker is None:
+        raise NotFound(f"adapter {layout.adapter_key(version)} is not committed")
+    files = {}
+    for name, info in marker["files"].items():
+        data = store.get_bytes(f"{layout.adapter_key(version)}/{name}")
+        if len(data) != info["size"] or sha256(data) != info["sha256"]:
+            raise AdapterCorrupt(
+                f"{store.url}/{layout.adapter_key(version)}/{name} does not match its commit marker "
+                f"(size {len(data)} vs {info['size']}): the bucket was modified after commit"
+            )
+        files[name] = data
+    return files

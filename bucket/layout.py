@@ -1,0 +1,46 @@
+"""Where every object lives in the bucket, and who writes it.
+
+    run.json                                   written once (first trainer or `brigade init`); read by every job
+    adapters/v000001/adapter_model.safetensors trainer; read by replicas (or their mirror)
+    adapters/v000001/adapter_config.json       trainer
+    adapters/v000001/COMMITTED.json            trainer, LAST: checksums of the files above
+    adapters/LATEST.json                       trainer, after COMMITTED: {"version": 1}
+    rollouts/<worker>/<part>/<seq>.json        rollout worker; read once by the trainer
+    events/<writer>/<part>/<seq>.json          every job: timestamped events
+    replicas/<replica_id>.json                 replica sidecar (heartbeat rewrites it); read by the proxy
+    trainer/checkpoints/v000001/...            trainer: optimizer state + what it consumed
+    trainer/LATEST.json                        trainer, after the checkpoint
+    trainer/DONE.json                          trainer, when it reached max_steps
+"""
+
+from __future__ import annotations
+
+RUN_MANIFEST = "run.json"
+ADAPTERS = "adapters"
+ADAPTERS_LATEST = f"{ADAPTERS}/LATEST.json"
+COMMIT_MARKER = "COMMITTED.json"
+ROLLOUTS = "rollouts"
+EVENTS = "events"
+REPLICAS = "replicas"
+CHECKPOINTS = "trainer/checkpoints"
+CHECKPOINT_LATEST = "trainer/LATEST.json"
+TRAINER_DONE = "trainer/DONE.json"
+
+
+def version_dir(version: int) -> str:
+    """Bucket folder of an adapter version; zero-padded so names sort by version."""
+    return f"v{version:06d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    if len(name) == 7 and name[0] == "v" and name[1:].isdigit():
+        return int(name[1:])
+    return None
+
+
+def adapter_key(version: int) -> str:
+    return f"{ADAPTERS}/{version_dir(version)}"
+
+
+def checkpoint_key(version: int) -> str:
+    return f"{CHECKPOINTS}/{version_dir(version)}"

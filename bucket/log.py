@@ -1,0 +1,96 @@
+"""Append-only logs in a bucket: rollout shards and events.
+
+Each writer owns a folder and numbers its records 0, 1, 2, ... Records are
+grouped into partitions of PARTITION records, so a reader that remembers the
+last sequence number it read (its cursor) lists at most two partitions per
+writer, however long the run: listing cost grows with new objects, not with
+all objects. Records are immutable once written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from bucket.store import Store
+
+PARTITION = 1000
+_WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_writer_id(writer: str) -> str:
+    if not _WRITER_RE.match(writer):
+        raise ValueError(
+            f"writer id {writer!r} is not usable as an object name: use letters, digits, '.', '_' or '-' (at most 128)"
+        )
+    return writer
+
+
+def record_key(prefix: str, writer: str, seq: int) -> str:
+    return f"{prefix}/{writer}/{seq // PARTITION:06d}/{seq:012d}.json"
+
+
+def _seqs_in_partition(store: Store, prefix: str, writer: str, part: int) -> list[int]:
+    names = store.list(f"{prefix}/{writer}/{part:06d}")
+    return [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+
+
+def last_seq(store: Store, prefix: str, writer: str) -> int:
+    """Highest sequence number this writer has written, -1 if none."""
+    parts = [int(p) for p in store.list(f"{prefix}/{writer}") if p.isdigit()]
+    for part in sorted(parts, reverse=True):
+        seqs = _seqs_in_partition(store, prefix, writer, part)
+        if seqs:
+            return max(seqs)
+    return -1
+
+
+class LogWriter:
+    """Appends records for one writer. A restarted writer with the same id continues its numbering."""
+
+    def __init__(self, store: Store, prefix: str, writer: str):
+        self.store, self.prefix, self.writer = store, prefix, check_writer_id(writer)
+        self.next_seq = last_seq(store, prefix, writer) + 1
+
+    def append(self, record: dict[str, Any]) -> str:
+        key = record_key(self.prefix, self.writer, self.next_seq)
+        self.store.put_json(key, record)
+        self.next_seq += 1
+        return key
+
+
+@dataclass(frozen=True)
+class Record:
+    writer: str
+    seq: int
+    key: str
+    body: dict[str, Any]
+
+
+def writers(store: Store, prefix: str) -> list[str]:
+    return [w for w in store.list(prefix) if _WRITER_RE.match(w)]
+
+
+def read_after(store: Store, prefix: str, cursors: dict[str, int], limit: int | None = None) -> list[Record]:
+    """Records after each writer's cursor (cursor = last seq already read, -1 for none), in order per writer.
+
+    Writers write sequentially and each write is atomic, so the records after a
+    cursor are contiguous: reading stops at the first missing number.
+    """
+    out: list[Record] = []
+    for writer in writers(store, prefix):
+        seq = cursors.get(writer, -1) + 1
+        present: set[int] = set()
+        listed: set[int] = set()
+        while limit is None or len(out) < limit:
+            part = seq // PARTITION
+            if part not in listed:
+                present |= set(_seqs_in_partition(store, prefix, writer, part))
+                listed.add(part)
+            if seq not in present:
+                break
+            key = record_key(prefix, writer, seq)
+            out.append(Record(writer, seq, key, store.get_json(key)))
+            seq += 1
+    return out

@@ -1,0 +1,117 @@
+"""run.json: the settings every job of one run must agree on.
+
+The first trainer (or `brigade init`) writes it; every job compares its own
+settings against it at start and refuses to run on a mismatch, because a
+rollout worker sampling 4 generations per prompt for a trainer that expects 8,
+or a replica capped at rank 1 serving rank-8 adapters, fails late and
+confusingly otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from bucket import layout
+from bucket.store import BucketError, NotFound, Store
+
+FORMAT_VERSION = 1
+
+
+class RunSpec(BaseModel):
+    """The shared settings (the `[run]` table of a run config)."""
+
+    model_config = {"extra": "forbid"}
+
+    base_model: str = Field("SmolLM2-135M-Instruct", description="Name the replicas serve the base model under; every job must agree.")
+    lora_rank: int = Field(1, ge=1, le=512, description="LoRA rank of every adapter (vLLM needs --max-lora-rank >= this).")
+    lora_alpha: float = Field(2.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear layers that get a LoRA (all linear layers of a Llama-style block by default).",
+    )
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
+    max_staleness: int = Field(4, ge=0, description="Rollouts generated more than this many adapter versions ago are dropped.")
+
+
+class RunManifest(RunSpec):
+    run_id: str
+    created_at: float
+    format_version: int = FORMAT_VERSION
+
+    def lora_name(self, version: int) -> str:
+        """Name an adapter version is loaded under in vLLM.
+
+        vLLM keys its prefix cache by this name, so it carries the run id: a
+        replica shared by two runs (or reused after a bucket was wiped) never
+        serves KV computed under other weights.
+        """
+        return f"{self.run_id}-{layout.version_dir(version)}"
+
+    def spec(self) -> RunSpec:
+        return RunSpec(**self.model_dump(include=set(RunSpec.model_fields)))
+
+
+class ManifestMismatch(BucketError):
+    pass
+
+
+def read_manifest(store: Store) -> RunManifest:
+    try:
+        data = store.get_json(layout.RUN_MANIFEST)
+    except NotFound as exc:
+        raise NotFound(
+            f"{store.url}/{layout.RUN_MANIFEST} is missing: this bucket holds no run yet. Start the trainer "
+            "(it writes run.json) or run `brigade init --bucket ...` first, or check --bucket."
+        ) from exc
+    try:
+        return RunManifest(**data)
+    except Exception as exc:
+        raise BucketError(f"{store.url}/{layout.RUN_MANIFEST} is not a valid run manifest: {exc}") from exc
+
+
+def check_manifest(manifest: RunManifest, spec: RunSpec, job: str) -> None:
+    diffs = []
+    for field in RunSpec.model_fields:
+        want, have = getattr(manifest, field), getattr(spec, field)
+        if want != have:
+            diffs.append(f"  run.{field}: run.json has {json.dumps(want)}, this {job} has {json.dumps(have)}")
+    if diffs:
+        raise ManifestMismatch(
+            f"{job} settings disagree with run.json of this run (run {manifest.run_id}):\n" + "\n".join(diffs)
+            + "\nUse the run's settings (drop the overrides or fix the config), or start a new run in a new bucket."
+        )
+
+
+def init_or_check(store: Store, spec: RunSpec, job: str) -> RunManifest:
+    """Create run.json if the bucket has none, else check it. Returns the manifest in force."""
+    manifest = RunManifest(**spec.model_dump(), run_id=uuid.uuid4().hex[:8], created_at=time.time())
+    created = store.put_if_absent(layout.RUN_MANIFEST, json.dumps(manifest.model_dump(), indent=1).encode())
+    if created:
+        return manifest
+    existing = read_manifest(store)
+    check_manifest(existing, spec, job)
+    return existing
+
+
+def wait_and_check(store: Store, spec: RunSpec, job: str, timeout_s: float) -> RunManifest:
+    """For jobs that never create a run: wait up to `timeout_s` for run.json, then check it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            manifest = read_manifest(store)
+            break
+        except NotFound:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+    check_manifest(manifest, spec, job)
+    return manifest
+
+
+def manifest_dict(manifest: RunManifest) -> dict[str, Any]:
+    return manifest.model_dump()

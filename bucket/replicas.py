@@ -1,0 +1,85 @@
+"""Replica registry: each replica's sidecar registers its URL and heartbeats.
+
+A heartbeat rewrites replicas/<id>.json with an incremented `beat` counter.
+The proxy judges liveness by when *it* last saw the counter change, on its
+own clock, so clock skew between machines cannot make a live replica look
+dead or a dead one look alive.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from bucket import layout
+from bucket.store import NotFound, Store
+
+
+class ReplicaInfo(BaseModel):
+    replica_id: str
+    url: str
+    # Where this replica's vLLM finds adapter version folders on its own disk:
+    # the bucket's adapters/ folder when the bucket is a local path or mount,
+    # else the sidecar's mirror of committed versions.
+    adapter_root: str
+    base_model: str
+    block_size: int
+    max_loras: int
+    started_at: float
+    beat: int = 0
+    heartbeat_at: float = 0.0
+
+
+def key(replica_id: str) -> str:
+    return f"{layout.REPLICAS}/{replica_id}.json"
+
+
+def register(store: Store, info: ReplicaInfo) -> None:
+    info.heartbeat_at = time.time()
+    store.put_json(key(info.replica_id), info.model_dump())
+
+
+def heartbeat(store: Store, info: ReplicaInfo) -> None:
+    info.beat += 1
+    register(store, info)
+
+
+def deregister(store: Store, replica_id: str) -> None:
+    store.delete(key(replica_id))
+
+
+def list_replicas(store: Store) -> list[ReplicaInfo]:
+    out = []
+    for name in store.list(layout.REPLICAS):
+        if not name.endswith(".json"):
+            continue
+        try:
+            out.append(ReplicaInfo(**store.get_json(f"{layout.REPLICAS}/{name}")))
+        except (NotFound, ValueError):
+            continue  # deregistered between list and read, or not ours
+    return out
+
+
+class LivenessTracker:
+    """Which registered replicas are alive, judged on the caller's clock."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def update(self, infos: list[ReplicaInfo], now: float | None = None) -> list[ReplicaInfo]:
+        now = time.monotonic() if now is None else now
+        alive = []
+        for info in infos:
+            beat, since = self._seen.get(info.replica_id, (None, now))
+            if beat != info.beat:
+                since = now
+            self._seen[info.replica_id] = (info.beat, since)
+            if now - since <= self.timeout_s:
+                alive.append(info)
+        return alive
+
+    def snapshot(self) -> dict[str, Any]:
+        return {rid: {"beat": b, "since": s} for rid, (b, s) in self._seen.items()}
