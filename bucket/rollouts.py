@@ -23,6 +23,7 @@ class Sample(BaseModel):
     text: str
     reward: float
     finish_reason: str | None = None
+    replica: str = Field("", description="replica that generated it (proxy's x-brigade-replica header)")
 
 
 class ScoredGroup(BaseModel):

@@ -131,7 +131,10 @@ def prepare_model(dest: str | None = None, dtype: str = "bfloat16") -> str:
                   "built_at": time.time(), "build_s": round(time.time() - started, 1)}
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the folder is meant to be shared
+        # mkdtemp (and safetensors' own temp file) make things private; the folder is meant to be shared.
+        os.chmod(tmp, 0o755)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.isdir(dest) and not os.listdir(dest):
             os.rmdir(dest)  # an empty folder (e.g. made by a volume mount) may be replaced
         try:

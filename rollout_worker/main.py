@@ -132,7 +132,8 @@ class Worker:
         if token_ids is None:
             raise RuntimeError("the replica returned no token_ids: it must be a vLLM server that supports return_token_ids")
         return Sample(completion_ids=token_ids, logprobs=[float(x) for x in logprobs], text=choice["text"],
-                      reward=0.0, finish_reason=choice.get("finish_reason"))
+                      reward=0.0, finish_reason=choice.get("finish_reason"),
+                      replica=resp.headers.get("x-brigade-replica", ""))
 
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
         version = self.version

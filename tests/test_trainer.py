@@ -44,7 +44,7 @@ def _group(model, rng: random.Random, version: int) -> ScoredGroup:
 
 
 def _config(bucket: str, model_dir: str, **trainer):
-    return load(overrides={"bucket.url": bucket, "run.num_generations": G, "run.max_staleness": 1,
+    return load(overrides={"bucket.url": bucket, "run.num_generations": G, "run.max_staleness": 2,
                            "trainer.model_path": model_dir, "trainer.groups_per_step": 2,
                            "trainer.weight_sync_steps": 1, "trainer.rollout_wait_s": 5, "trainer.torch_threads": 1,
                            **{f"trainer.{k}": v for k, v in trainer.items()}})
@@ -54,7 +54,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     bucket = str(tmp_path / "bucket")
     store = Store(bucket)
     store.check_reachable(create=True)
-    init_or_check(store, RunSpec(num_generations=G, max_staleness=1), "test")
+    init_or_check(store, RunSpec(num_generations=G, max_staleness=2), "test")
     rng = random.Random(0)
     writer = ShardWriter(store, "w0")
     for _ in range(3):
@@ -72,7 +72,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     w = load_st(adapters.read_verified(store, 3)["adapter_model.safetensors"])
     assert any(t.abs().sum() > 0 for k, t in w.items() if "lora_B" in k)
 
-    # A restarted trainer resumes from its checkpoint; new rollouts from v0 are now too stale (window 1) and are
+    # A restarted trainer resumes from its checkpoint; new rollouts from v0 are now too stale (window 2) and are
     # dropped, recorded, never trained; a fresh group from v3 is trained.
     store.put_bytes(f"{layout.adapter_key(4)}/adapter_model.safetensors", b"crashed mid-upload")
     writer.write([_group(base_model, rng, 0), _group(base_model, rng, 3)])
@@ -88,7 +88,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     every = {f"{layout.ROLLOUTS}/w0/000000/{i:012d}.json#{j}" for i in range(5) for j in range(2)}
     assert set(trained) | set(dropped) | set(pending) == every
     assert not set(trained) & set(dropped)
-    # the carried-over groups went stale (v0 vs v3 > window 1) and so did the new v0 group
+    # the carried-over groups went stale (v0 vs v3 > window 2) and so did the new v0 group
     shard = f"{layout.ROLLOUTS}/w0/000000/{{:012d}}.json#{{}}".format
     assert set(dropped) == {shard(2, 0), shard(2, 1), shard(3, 0)}
     assert pending == [shard(4, 1)]

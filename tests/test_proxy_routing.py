@@ -1,0 +1,179 @@
+"""Prefix-aware routing (proxy/routing.py): pure unit tests, no I/O."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from proxy.routing import (NEW, PREFIX_HIT, SPILL, CommonPrefix, PrefixRouter, text_block_hashes,
+                           token_block_hashes)
+
+TEMPLATE = list(range(1000, 1048))  # a 48-token "chat template" every prompt starts with (3 blocks of 16)
+
+
+def prompt(i: int, length: int = 52) -> list[int]:
+    rng = random.Random(i)
+    return TEMPLATE + [rng.randrange(2000, 30000) for _ in range(length)]
+
+
+def router(replicas=("r0", "r1"), **kw) -> PrefixRouter:
+    r = PrefixRouter(block_size=16, **kw)
+    r.set_replicas(replicas)
+    return r
+
+
+def test_hashes_cover_full_blocks_only_and_chain():
+    ids = list(range(40))
+    hashes = token_block_hashes(ids, "adapter-v1", 16)
+    assert len(hashes) == 2  # the trailing 8 tokens are not a full block, and vLLM never caches them
+    # Chained: a different first block changes every later link, not just the first.
+    other = token_block_hashes([99] + ids[1:], "adapter-v1", 16)
+    assert other[0] != hashes[0] and other[1] != hashes[1]
+    # Same prefix, longer prompt: the shared links are identical.
+    assert token_block_hashes(ids + list(range(50)), "adapter-v1", 16)[:2] == hashes
+
+
+def test_adapter_name_seeds_the_chain():
+    ids = prompt(1)
+    a, b = token_block_hashes(ids, "run-v000001", 16), token_block_hashes(ids, "run-v000002", 16)
+    assert len(a) == len(b) > 0
+    assert not set(a) & set(b)
+    ta, tb = text_block_hashes("x" * 300, "run-v000001", 16), text_block_hashes("x" * 300, "run-v000002", 16)
+    assert len(ta) == 300 // 64 and not set(ta) & set(tb)
+
+
+def test_same_prefix_goes_to_the_same_replica():
+    r = router(("r0", "r1", "r2"))
+    first = r.route_tokens("m", prompt(1))
+    assert first.kind == NEW
+    r.start(first.replica)
+    for _ in range(7):  # the 7 siblings of a GRPO group, all in flight at once
+        d = r.route_tokens("m", prompt(1))
+        assert (d.replica, d.kind) == (first.replica, PREFIX_HIT)
+        r.start(d.replica)
+    assert r.inflight(first.replica) == 8
+
+
+def test_longer_prompt_sharing_a_prefix_follows_it():
+    r = router(("r0", "r1", "r2"))
+    base = r.route_tokens("m", prompt(1, 64))
+    r.route_tokens("m", prompt(2))  # teaches the router the shared template
+    d = r.route_tokens("m", prompt(1, 64) + list(range(40)))  # a multi-turn continuation
+    assert (d.replica, d.kind) == (base.replica, PREFIX_HIT)
+    assert d.matched_blocks == (48 + 64) // 16 - 3
+
+
+def test_different_adapter_is_a_new_prefix():
+    r = router()
+    a = r.route_tokens("run-v000001", prompt(1))
+    r.start(a.replica)
+    b = r.route_tokens("run-v000002", prompt(1))
+    assert b.kind == NEW
+    assert b.replica != a.replica  # least-loaded: a's replica has one in flight
+
+
+def test_shared_template_is_discounted_so_distinct_prompts_spread():
+    r = router(("r0", "r1"))
+    counts = Counter()
+    for i in range(16):
+        d = r.route_tokens("m", prompt(i))
+        counts[d.replica] += 1
+        assert d.kind == NEW, f"prompt {i} was routed as {d.kind}: the template must not count as a shared prefix"
+        r.start(d.replica)  # groups stay in flight, like a rollout worker's
+    assert counts == {"r0": 8, "r1": 8}
+    assert r.shared_prefix_blocks() == 3
+    # ... while siblings still find their prompt's replica past the template.
+    owner = r.route_tokens("m", prompt(5))
+    assert owner.kind == PREFIX_HIT
+
+
+def test_template_only_match_is_not_a_hit():
+    r = router(("r0", "r1"))
+    r.route_tokens("m", prompt(1))
+    r.route_tokens("m", prompt(2))
+    d = r.route_tokens("m", TEMPLATE + [7] * 20)  # shares the template and nothing else
+    assert d.kind == NEW and d.matched_blocks == 0
+
+
+def test_spill_to_least_loaded_when_preferred_is_far_ahead():
+    r = router(("r0", "r1"), spill_threshold=3)
+    home = r.route_tokens("m", prompt(1)).replica
+    other = "r1" if home == "r0" else "r0"
+    for _ in range(2):
+        r.start(home)
+    assert r.route_tokens("m", prompt(1)).kind == PREFIX_HIT  # 2 ahead: under the threshold
+    r.start(home)
+    d = r.route_tokens("m", prompt(1))  # 3 ahead: spill
+    assert (d.replica, d.kind) == (other, SPILL)
+    for _ in range(3):
+        r.finish(home)
+    assert r.route_tokens("m", prompt(1)).kind == PREFIX_HIT
+
+
+def test_removed_replica_is_forgotten():
+    r = router(("r0", "r1", "r2"))
+    for i in range(6):
+        r.route_tokens("m", prompt(i))
+    d = r.route_tokens("m", prompt(3))
+    assert d.kind == PREFIX_HIT
+    gone = d.replica
+    r.start(gone)
+    r.set_replicas([x for x in ("r0", "r1", "r2") if x != gone])
+    assert gone not in r.replicas and r.inflight(gone) == 0
+    again = r.route_tokens("m", prompt(3))
+    assert again.kind == NEW and again.replica != gone
+    r.finish(gone)  # a request that was in flight on it ends later: harmless
+    r.set_replicas(["r0", "r1", "r2", "r3"])  # a replica joins: it can be chosen
+    assert "r3" in {r.route_tokens("m", prompt(100 + i)).replica for i in range(8)}
+
+
+def test_exclude_skips_a_replica():
+    r = router(("r0", "r1"))
+    home = r.route_tokens("m", prompt(1)).replica
+    d = r.route_tokens("m", prompt(1), exclude={home})
+    assert d.replica != home
+    assert r.route_tokens("m", prompt(1), exclude={"r0", "r1"}) is None
+
+
+def test_no_replicas_means_no_decision():
+    assert PrefixRouter().route_tokens("m", prompt(1)) is None
+
+
+def test_text_prompts_route_by_bytes():
+    r = router(("r0", "r1"))
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" * 3
+    first = r.route_text("m", system + "What is 3 + 4? " * 10)
+    r.route_text("m", system + "What is 9 + 1? " * 10)
+    d = r.route_text("m", system + "What is 3 + 4? " * 10)
+    assert (d.replica, d.kind) == (first.replica, PREFIX_HIT)
+    assert r.shared_prefix_blocks(text=True) == len(system.encode()) // 64
+
+
+def test_short_prompt_has_no_signal():
+    r = router()
+    assert r.route_tokens("m", [1, 2, 3]).kind == NEW
+    assert r.route_tokens("m", [1, 2, 3]).kind == NEW
+
+
+def test_block_memory_is_bounded():
+    r = router(max_blocks=10)
+    for i in range(20):
+        r.route_tokens("m", prompt(i))
+    assert r.known_blocks() == 10
+    assert r.route_tokens("m", prompt(19)).kind == PREFIX_HIT  # the most recent survive
+
+
+def test_common_prefix_waits_for_a_second_distinct_prompt():
+    cp = CommonPrefix()
+    assert cp.observe([1, 2, 3, 4]) == 0
+    assert cp.observe([1, 2, 3, 4]) == 0  # a sibling: still only one prompt
+    assert cp.observe([1, 2, 9]) == 2
+    assert cp.observe([1, 2, 3, 4, 5]) == 2  # never grows back
+    assert cp.observe([7]) == 0
+
+
+@pytest.mark.parametrize("bad", [[-1] * 32, [2**40] * 32])
+def test_odd_token_values_still_hash(bad):
+    assert len(token_block_hashes(bad, "m", 16)) == 2
