@@ -10,6 +10,7 @@
     replicas/<replica_id>.json                 replica sidecar (heartbeat rewrites it); read by the proxy
     trainer/checkpoints/v000001/...            trainer: optimizer state + what it consumed
     trainer/LATEST.json                        trainer, after the checkpoint
+    trainer/progress.json                      trainer, every step: its cursors (rollout workers' backpressure)
     trainer/DONE.json                          trainer, when it reached max_steps
 """
 
@@ -24,6 +25,7 @@ EVENTS = "events"
 REPLICAS = "replicas"
 CHECKPOINTS = "trainer/checkpoints"
 CHECKPOINT_LATEST = "trainer/LATEST.json"
+TRAINER_PROGRESS = "trainer/progress.json"
 TRAINER_DONE = "trainer/DONE.json"
 
 

@@ -47,6 +47,10 @@ class ShardWriter:
         self._log = log.LogWriter(store, layout.ROLLOUTS, worker)
         self.worker = worker
 
+    @property
+    def next_seq(self) -> int:
+        return self._log.next_seq
+
     def write(self, groups: list[ScoredGroup]) -> str:
         return self._log.append(RolloutShard(worker=self.worker, groups=groups).model_dump())
 

@@ -131,7 +131,8 @@ def run(config: Config) -> int:
     ncores = os.cpu_count() or 1
     replica_jobs = [
         Job(f"replica-{i}", cmd + ["replica", "--config", cfg_path, "--replica.port", str(lc.base_port + i),
-                                   "--replica.replica-id", f"replica-{i}", "--replica.cpu-threads",
+                                   "--replica.replica-id", f"replica-{i}", "--replica.log-dir", logs,
+                                   "--replica.cpu-threads",
                                    config.replica.cpu_threads or str(i % ncores)],
             os.path.join(logs, f"replica-{i}.log"))
         for i in range(lc.num_replicas)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -51,6 +52,7 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 STARTUP_JOIN_WAIT_S = 10.0
+JOIN_RETRY_S = 5.0  # a replica that failed to join is retried this often, not at every refresh
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
                 502: "BadGatewayError", 503: "ServiceUnavailableError"}
@@ -118,6 +120,24 @@ class _Slot:
         self.proxy._slots.release()
 
 
+class _RelayResponse(StreamingResponse):
+    """A relayed stream that frees its slot even if the client leaves before the first chunk.
+
+    (A generator that never started never runs its `finally`.)
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], slot: _Slot, upstream: httpx.Response, **kw: Any):
+        super().__init__(content, **kw)
+        self._slot, self._upstream = slot, upstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._upstream.aclose()
+            self._slot.release()
+
+
 def _prompt_of(payload: Any) -> tuple[list[int] | None, str | None]:
     """The routing key of a completions/chat body: token ids, or text when there are none."""
     if not isinstance(payload, dict):
@@ -170,8 +190,9 @@ class Proxy:
         self._slots = asyncio.Semaphore(config.max_inflight)
         self._adapter_lock = asyncio.Lock()       # loads, unloads and joins change `loaded`: one at a time
         self._joining: dict[str, asyncio.Task] = {}
+        self._join_retry_at: dict[str, float] = {}
+        self._last_healthy: dict[str, float] = {}  # static replicas: when /health last said 200
         self._refresher: asyncio.Task | None = None
-        self._adopting = False
         self._events_lock = threading.Lock()
         key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -188,13 +209,16 @@ class Proxy:
                               max_keepalive_connections=self.config.max_inflight + 64)
         self._client = httpx.AsyncClient(transport=self._transport, limits=limits,
                                          timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0))
-        # A restarted proxy learns what its replicas already serve, so replicas
-        # that join later still get every adapter the rollout worker uses.
-        self._adopting = True
+        # A restarted proxy first learns what its replicas already serve, so
+        # every replica (and any that joins later) gets all of it.
+        try:
+            for info in await self.discover():
+                await self._adopt(info)
+        except Exception as exc:
+            log.warning("could not look for adapters the replicas already serve: %s", exc)
         await self.refresh()
         if self._joining:
             await asyncio.wait(list(self._joining.values()), timeout=STARTUP_JOIN_WAIT_S)
-        self._adopting = False
         self._refresher = asyncio.create_task(self._refresh_forever())
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info("proxy up: replicas from %s, %d routable, max_inflight %d", mode, len(self.routable),
@@ -224,11 +248,20 @@ class Proxy:
             return False
 
     async def discover(self) -> list[ReplicaInfo]:
-        """Replicas that are alive now: static ones that answer /health, registered ones that heartbeat."""
+        """Replicas alive now: registered ones that heartbeat, static ones that answered /health lately.
+
+        A static replica is dropped only after replica_timeout_s without a good
+        probe: a replica busy enough to miss one probe keeps its cached prefixes.
+        """
         if self.static:
             infos = self._static_infos()
             healthy = await asyncio.gather(*(self._healthy(i) for i in infos))
-            return [i for i, ok in zip(infos, healthy) if ok]
+            now = time.monotonic()
+            for info, ok in zip(infos, healthy):
+                if ok:
+                    self._last_healthy[info.replica_id] = now
+            return [i for i in infos
+                    if now - self._last_healthy.get(i.replica_id, -math.inf) <= self.config.replica_timeout_s]
         infos = await asyncio.to_thread(list_replicas, self.store)
         return self.liveness.update(infos)
 
@@ -252,8 +285,9 @@ class Proxy:
             if rid not in alive:
                 task.cancel()
                 self._joining.pop(rid, None)
+        now = time.monotonic()
         for rid, info in alive.items():
-            if rid not in self.routable and rid not in self._joining:
+            if rid not in self.routable and rid not in self._joining and now >= self._join_retry_at.get(rid, 0.0):
                 self._joining[rid] = asyncio.create_task(self._join(info), name=f"join-{rid}")
         self.metrics.replicas.set(len(self.routable))
 
@@ -276,23 +310,29 @@ class Proxy:
         """Give a new replica every loaded adapter (and the pause state), then let traffic in."""
         rid = info.replica_id
         try:
+            # A registry entry can outlive its replica by replica_timeout_s: ask before sending traffic.
+            if not self.static and not await self._healthy(info):
+                log.warning("registered replica %s (%s) does not answer /health; retrying in %.0fs",
+                            rid, info.url, JOIN_RETRY_S)
+                self._join_retry_at[rid] = time.monotonic() + JOIN_RETRY_S
+                return
             async with self._adapter_lock:
-                if self._adopting:
-                    await self._adopt(info)
                 for ad in list(self.loaded.values()):
                     t0 = time.monotonic()
                     res = await self._load_on(info, ad, t0 + self.config.load_retry_s)
                     if not res.ok:
                         self.metrics.load_failures.labels(rid).inc()
-                        log.warning("replica %s cannot join yet: loading %s failed (%s); will retry",
-                                    rid, ad.lora_name, res.reason)
+                        log.warning("replica %s cannot join yet: loading %s failed (%s); retrying in %.0fs",
+                                    rid, ad.lora_name, res.reason, JOIN_RETRY_S)
+                        self._join_retry_at[rid] = time.monotonic() + JOIN_RETRY_S
                         return
-                    await self._emit(events.LOADED, version=ad.version, lora_name=ad.lora_name, replica=rid,
-                                     seconds=round(res.done_at - t0, 4), attempts=res.attempts, late_join=True,
-                                     already_loaded=not res.newly)
+                    if res.newly:  # a replica that already had it (the proxy restarted) is no sync event
+                        await self._emit(events.LOADED, version=ad.version, lora_name=ad.lora_name, replica=rid,
+                                         seconds=round(res.done_at - t0, 4), attempts=res.attempts, late_join=True)
                 if self.paused_query is not None:
                     await self._post(info, "/pause", query=self.paused_query)
                 self.routable[rid] = info
+                self._join_retry_at.pop(rid, None)
                 self.router.set_replicas(self.routable)
                 self.metrics.replicas.set(len(self.routable))
                 log.info("replica %s (%s) joined with %d adapters; %d replicas receive traffic",
@@ -352,8 +392,9 @@ class Proxy:
                 continue
             reason = error_message(text)
             if resp.status_code == 404 and NOT_FOUND_ON_DISK in text:
-                reason += f" (still missing after {self.config.load_retry_s:.0f}s of retries: is the replica's " \
-                          f"adapter folder {info.adapter_root} the bucket's adapters/ or its mirror?)"
+                reason += f" (asked for {body['lora_path']}; still missing after {self.config.load_retry_s:.0f}s " \
+                          f"of retries: is the replica's adapter folder {info.adapter_root} the bucket's adapters/ " \
+                          "or its mirror?)"
             return ReplicaResult(info.replica_id, False, status=resp.status_code, reason=reason, done_at=now,
                                  attempts=attempts)
 
@@ -448,8 +489,11 @@ class Proxy:
                     seconds, len(rolled_back) - len(stuck), f", rollback FAILED on {stuck}" if stuck else "")
         first = failed[0]
         status = first.status if first.status is not None and first.status >= 400 else 502
+        undone = len(rolled_back) - len(stuck)
         message = (f"loading {ad.lora_name} from {layout.ADAPTERS}/{ad.version_dir} failed on "
-                   f"{len(failed)} of {len(results)} replicas; it was unloaded from the others. "
+                   f"{len(failed)} of {len(results)} replicas"
+                   + (f" (unloaded again from {undone} that had loaded it)" if undone else "")
+                   + (f" (unloading it again FAILED on {stuck})" if stuck else "") + ": "
                    + "; ".join(f"{r.replica}: {r.reason}" for r in failed))
         return error_response(status, message, replicas=[r.describe() for r in results],
                               rolled_back=[r.replica for r in rolled_back if r.ok], rollback_failed=stuck)
@@ -495,7 +539,7 @@ class Proxy:
         try:
             payload = json.loads(body)
         except ValueError:
-            payload = None  # the replica answers with the proper validation error
+            payload = None  # routed anyway: the replica answers with the proper validation error
         if not self.routable:
             return error_response(503, "no replica is available")
         self.metrics.waiting.inc()
@@ -505,44 +549,19 @@ class Proxy:
             self.metrics.waiting.dec()
         slot = _Slot(self)
         try:
-            tried: set[str] = set()
-            while True:
-                decision = self._route(payload, tried)
-                if decision is None:
-                    slot.release()
-                    return error_response(503, "no replica is available" + (f" (no answer from {sorted(tried)})"
-                                                                           if tried else ""))
-                self.metrics.decisions.labels(decision.kind).inc()
-                slot.replica = decision.replica
-                self.router.start(decision.replica)
-                info = self.routable.get(decision.replica)
-                try:
-                    if info is None:
-                        raise httpx.ConnectError("replica left")
-                    req = self.client.build_request("POST", f"{info.url}{path}", content=body,
-                                                    headers=self._upstream_headers(request))
-                    resp = await self.client.send(req, stream=True)
-                    break
-                except httpx.ConnectError as exc:
-                    # Nothing reached the replica, so trying another one cannot duplicate work.
-                    self.metrics.upstream_errors.labels(decision.replica).inc()
-                    log.warning("replica %s refused a connection (%s); trying another", decision.replica, exc)
-                    self.router.finish(decision.replica)
-                    slot.replica = None
-                    tried.add(decision.replica)
-        except httpx.HTTPError as exc:
-            if slot.replica:
-                self.metrics.upstream_errors.labels(slot.replica).inc()
-            slot.release()
-            return error_response(502, f"replica {slot.replica} did not answer: {type(exc).__name__}: {exc}")
+            opened = await self._open_upstream(path, body, payload, self._upstream_headers(request), slot)
         except BaseException:
             slot.release()
             raise
+        if isinstance(opened, Response):
+            slot.release()
+            return opened
+        decision, resp = opened
         headers = {"x-brigade-replica": decision.replica, "x-brigade-route": decision.kind}
         media_type = resp.headers.get("content-type")
         if isinstance(payload, dict) and payload.get("stream"):
-            return StreamingResponse(self._relay(resp, slot), status_code=resp.status_code,
-                                     media_type=media_type, headers=headers)
+            return _RelayResponse(self._relay(resp, slot), slot, resp, status_code=resp.status_code,
+                                  media_type=media_type, headers=headers)
         try:
             content = await resp.aread()
         except httpx.HTTPError as exc:
@@ -552,6 +571,35 @@ class Proxy:
             await resp.aclose()
             slot.release()
         return Response(content, status_code=resp.status_code, media_type=media_type, headers=headers)
+
+    async def _open_upstream(self, path: str, body: bytes, payload: Any, headers: dict[str, str],
+                             slot: _Slot) -> tuple[Decision, httpx.Response] | Response:
+        """Route, count the request in flight on its replica, and send it; an error Response if no replica took it."""
+        tried: set[str] = set()
+        while True:
+            decision = self._route(payload, tried)
+            if decision is None:
+                return error_response(503, "no replica is available"
+                                      + (f" (no answer from {sorted(tried)})" if tried else ""))
+            self.metrics.decisions.labels(decision.kind).inc()
+            self.router.start(decision.replica)
+            slot.replica = decision.replica
+            info = self.routable.get(decision.replica)
+            try:
+                if info is None:
+                    raise httpx.ConnectError("the replica left")
+                req = self.client.build_request("POST", f"{info.url}{path}", content=body, headers=headers)
+                return decision, await self.client.send(req, stream=True)
+            except httpx.ConnectError as exc:
+                # Nothing reached the replica, so trying another one cannot duplicate work.
+                log.warning("replica %s refused a connection (%s); trying another", decision.replica, exc)
+            except httpx.HTTPError as exc:
+                self.metrics.upstream_errors.labels(decision.replica).inc()
+                return error_response(502, f"replica {decision.replica} did not answer: {type(exc).__name__}: {exc}")
+            self.metrics.upstream_errors.labels(decision.replica).inc()
+            self.router.finish(decision.replica)
+            slot.replica = None
+            tried.add(decision.replica)
 
     async def _relay(self, resp: httpx.Response, slot: _Slot) -> AsyncIterator[bytes]:
         try:
@@ -597,7 +645,11 @@ class Proxy:
             self.paused_query = None
         bad = [rid for rid, r in results.items() if not r["ok"]]
         if bad:
-            return error_response(502, f"{path} failed on {bad}", replicas=results)
+            # Every replica gave the same answer (e.g. 404: vLLM serves /pause in dev mode only): pass it on.
+            statuses = {results[rid].get("status") for rid in bad}
+            status = statuses.pop() if len(bad) == len(results) and len(statuses) == 1 else None
+            return error_response(status if status and status >= 400 else 502, f"{path} failed on {bad}",
+                                  replicas=results)
         return JSONResponse({"status": "paused" if path == "/pause" else "resumed", "replicas": results})
 
     async def world_size(self) -> int:
@@ -611,8 +663,7 @@ class Proxy:
         return sum(await asyncio.gather(*(one(i) for i in self.routable.values())))
 
     def info(self) -> dict[str, Any]:
-        cfg = self.config.model_dump()
-        cfg.pop("api_key_env", None)
+        cfg = self.config.model_dump()  # holds the key's variable name, never the key
         return {
             "run_id": self.manifest.run_id if self.manifest else None,
             "bucket": self.store.url,

@@ -18,6 +18,8 @@ class ProxyConfig(BaseModel):
     replica_timeout_s: float = Field(15.0, gt=0, description="A registered replica whose heartbeat has not changed for this long is dropped.")
     refresh_s: float = Field(1.0, gt=0, description="How often to re-read the replica registry.")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of a forwarded request.")
-    adapter_root: str = Field("", description="With static replica_urls: the folder holding the bucket's adapter version folders on the replicas' disks; empty = the bucket's adapters/ folder (the bucket must then be a local folder or mount). Registered replicas announce their own.")
+    adapter_root: str = Field("", description="With static replica_urls: where the replicas find adapter version folders "
+                                              "on their disks; empty = the bucket's adapters/ folder (bucket must be local). "
+                                              "Registered replicas announce their own.")
     max_routing_blocks: int = Field(1_000_000, ge=1, description="Prompt blocks the router remembers (least recently used are forgotten first).")
     api_key_env: str = Field("BRIGADE_REPLICA_API_KEY", description="Environment variable holding a bearer token for the replicas (never logged).")

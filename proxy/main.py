@@ -33,6 +33,10 @@ def build_app(config: Config) -> FastAPI:
 
 
 def run(config: Config) -> int:
+    # httpx logs every request at INFO: with health probes and thousands of
+    # generations that would bury the proxy's own log.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     app = build_app(config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.proxy.host, port=config.proxy.port,

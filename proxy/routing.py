@@ -129,7 +129,11 @@ class PrefixRouter:
         self._owner: OrderedDict[int, str] = OrderedDict()  # link -> replica, least recently used first
         self._inflight: dict[str, int] = {}
         self._order: list[str] = []
-        self._next_new = 0  # rotates ties among equally idle replicas
+        # When each replica was last given work by load (a "new" or "spill"
+        # decision): ties among equally loaded replicas go to the one that waited
+        # longest, so sequential new prompts alternate instead of piling up.
+        self._last_given: dict[str, int] = {}
+        self._given = 0
         self._token_prefix = CommonPrefix()
         self._text_prefix = CommonPrefix()
         self.decisions: dict[str, int] = {k: 0 for k in DECISION_KINDS}
@@ -146,6 +150,7 @@ class PrefixRouter:
             self._inflight.setdefault(rid, 0)
         for rid in removed:
             self._inflight.pop(rid, None)
+            self._last_given.pop(rid, None)
         if removed:
             # A removed replica's cache is gone (or unreachable): its links must not attract traffic.
             self._owner = OrderedDict((h, r) for h, r in self._owner.items() if r not in removed)
@@ -175,15 +180,18 @@ class PrefixRouter:
             self._inflight[replica_id] -= 1
 
     def least_loaded(self, exclude: Iterable[str] = ()) -> str | None:
-        """The replica with the fewest requests in flight; ties rotate so idle replicas share new work."""
+        """The replica with the fewest requests in flight (for requests that place no prompt: changes nothing)."""
         skip = set(exclude)
         candidates = [r for r in self._order if r not in skip]
         if not candidates:
             return None
-        low = min(self._inflight[r] for r in candidates)
-        idle = [r for r in candidates if self._inflight[r] == low]
-        choice = idle[self._next_new % len(idle)]
-        self._next_new += 1
+        return min(candidates, key=lambda r: (self._inflight[r], self._last_given.get(r, -1)))
+
+    def _give_by_load(self, excluded: set[str]) -> str | None:
+        choice = self.least_loaded(excluded)
+        if choice is not None:
+            self._given += 1
+            self._last_given[choice] = self._given
         return choice
 
     def _min_inflight(self, excluded: set[str]) -> int | None:
@@ -210,9 +218,9 @@ class PrefixRouter:
             return None
         preferred, matched = self._deepest_owner(links, skip, excluded)
         if preferred is None:
-            decision = Decision(self.least_loaded(excluded), NEW, 0)
+            decision = Decision(self._give_by_load(excluded), NEW, 0)
         elif self._inflight[preferred] - low >= self.spill_threshold:
-            decision = Decision(self.least_loaded(excluded), SPILL, matched)
+            decision = Decision(self._give_by_load(excluded), SPILL, matched)
         else:
             decision = Decision(preferred, PREFIX_HIT, matched)
         self._remember(links, decision.replica)

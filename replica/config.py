@@ -24,4 +24,5 @@ class ReplicaConfig(BaseModel):
     adapter_cache_dir: str = Field("", description="Where to mirror committed adapters when the bucket is not a local path; empty = a temp folder.")
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between registry heartbeats.")
     startup_timeout_s: float = Field(300.0, gt=0, description="Give up if vLLM is not healthy within this many seconds.")
+    log_dir: str = Field("", description="Folder for vLLM's log file (vllm-<replica_id>.log); empty = a new temp folder (its path is printed).")
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments passed to vLLM's api_server.")

@@ -13,6 +13,7 @@ class RolloutConfig(BaseModel):
     max_completion_length: int = Field(16, ge=1, description="Max new tokens per completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     max_inflight_groups: int = Field(4, ge=1, description="Prompt groups being generated at once.")
+    max_unconsumed_groups: int = Field(8, ge=0, description="Pause new generations while this many of our groups are written or in flight but not yet read by the trainer (trainer/progress.json); 0 = never pause.")
     groups_per_shard: int = Field(2, ge=1, description="Scored groups per rollout shard written to the bucket.")
     dataset: str = Field("arithmetic", description="'arithmetic' (built in) or a path to a JSON/JSONL/Parquet file with 'prompt' and 'answer' columns.")
     max_operand: int = Field(9, ge=1, description="Arithmetic prompts use operands in [0, max_operand] (small = early reward signal).")

@@ -25,7 +25,7 @@ from bucket import adapters, events, layout
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, wait_and_check
 from bucket.rollouts import Sample, ScoredGroup, ShardWriter
-from bucket.store import Store
+from bucket.store import NotFound, Store
 from infra.config import Config, ConfigError
 from infra.init_run import open_bucket
 from rollout_worker.prompts import load_prompts
@@ -76,6 +76,8 @@ class Worker:
         self.done_groups = 0
         self.pending: list[ScoredGroup] = []
         self.shards_written = 0
+        self.shard_groups: dict[int, int] = {}  # seq of each shard written by this process -> groups in it
+        self.trainer_cursor = -1
 
     def model_name(self, version: int) -> str:
         return self.manifest.base_model if version == 0 else self.manifest.lora_name(version)
@@ -156,10 +158,25 @@ class Worker:
     def flush(self, force: bool = False) -> None:
         while self.pending and (force or len(self.pending) >= self.rc.groups_per_shard):
             batch, self.pending = self.pending[: self.rc.groups_per_shard], self.pending[self.rc.groups_per_shard:]
+            seq = self.shards.next_seq
             key = self.shards.write(batch)
+            self.shard_groups[seq] = len(batch)
             self.shards_written += 1
             self.ev.emit(events.SHARD_WRITTEN, key=key, groups=len(batch),
                          versions=sorted({g.adapter_version for g in batch}))
+
+    def read_trainer_cursor(self) -> None:
+        try:
+            progress = self.store.get_json(layout.TRAINER_PROGRESS)
+        except NotFound:
+            return
+        self.trainer_cursor = int(progress.get("cursors", {}).get(self.shards.worker, -1))
+
+    def unconsumed(self) -> int:
+        """Groups scored or in flight that the trainer has not read yet: generating further ahead only makes
+        rollouts staler (and, on a shared machine, takes CPU from the trainer)."""
+        written = sum(n for seq, n in self.shard_groups.items() if seq > self.trainer_cursor)
+        return written + len(self.pending)
 
     def finished(self) -> bool:
         if self.rc.max_groups and self.done_groups >= self.rc.max_groups:
@@ -176,15 +193,21 @@ class Worker:
                 if time.monotonic() >= next_sync:
                     if await asyncio.to_thread(self.finished):
                         break
+                    await asyncio.to_thread(self.read_trainer_cursor)
                     await self.sync_adapters()
                     next_sync = time.monotonic() + self.rc.poll_s
                 budget = self.rc.max_inflight_groups
                 if self.rc.max_groups:
                     budget = min(budget, self.rc.max_groups - self.done_groups)
+                if self.rc.max_unconsumed_groups:
+                    budget = min(budget, max(0, self.rc.max_unconsumed_groups - self.unconsumed()))
                 while len(tasks) < budget:
                     tasks.add(asyncio.create_task(self.generate_group(dict(self.dataset[next(rows)]))))
                 if not tasks:
-                    break
+                    if self.rc.max_groups and self.done_groups >= self.rc.max_groups:
+                        break
+                    await asyncio.sleep(self.rc.poll_s)  # paused: the trainer has enough to read
+                    continue
                 done, tasks = await asyncio.wait(tasks, timeout=self.rc.poll_s, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     try:

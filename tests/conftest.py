@@ -91,3 +91,85 @@ def store(request, tmp_path) -> Store:
     s = Store(new_s3_bucket(endpoint))
     s.check_reachable(create=True)
     return s
+
+
+# -- the real model and real vLLM replicas ----------------------------------------------------------
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """SmolLM2-135M-Instruct as a safetensors folder, built once and cached across sessions.
+
+    BRIGADE_HOME (or ~/.cache/brigade) holds it; the first build takes about 40 s.
+    """
+    from infra.paths import default_model_dir
+    from infra.prepare_model import prepare_model
+
+    return prepare_model(default_model_dir())
+
+
+def _log_tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start_replica(bucket_url: str, model_dir: str, port: int, replica_id: str, cpu_threads: str, log_dir: str,
+                  *extra: str) -> tuple[subprocess.Popen, str]:
+    """`brigade replica` as its own process (the code path a deployment uses); returns it and its log path."""
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"sidecar-{replica_id}.log")
+    cmd = [sys.executable, "-m", "infra.cli", "replica", "--bucket", bucket_url,
+           "--replica.model-path", model_dir, "--replica.port", str(port), "--replica.replica-id", replica_id,
+           "--replica.cpu-threads", cpu_threads, "--replica.log-dir", log_dir, "--replica.heartbeat-s", "1",
+           "--replica.kv-cache-gib", "1", *extra]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return proc, log_path
+
+
+@pytest.fixture(scope="session")
+def vllm_replicas(tmp_path_factory, model_dir):
+    """Two real vLLM replicas behind `brigade replica` sidecars, registered in a local-folder bucket.
+
+    Started once per session (about a minute on CPU), each pinned to its own
+    core; yields (store, [ReplicaInfo, ReplicaInfo], manifest). The sidecars
+    are stopped with SIGTERM at the end, which deregisters them and stops
+    their vLLM process trees.
+    """
+    from bucket import replicas
+    from bucket.manifest import RunSpec, init_or_check
+
+    root = tmp_path_factory.mktemp("replicas")
+    store = Store(str(root / "bucket"))
+    store.check_reachable(create=True)
+    manifest = init_or_check(store, RunSpec(), "test")
+    ncores = os.cpu_count() or 1
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(start_replica(store.url, model_dir, free_port(), f"test-replica-{i}", str(i % ncores),
+                                       str(root / "logs")))
+        deadline = time.monotonic() + 420
+        while True:
+            infos = sorted(replicas.list_replicas(store), key=lambda r: r.replica_id)
+            if len(infos) == 2:
+                break
+            for proc, log_path in procs:
+                if proc.poll() is not None:
+                    pytest.fail(f"replica sidecar exited with {proc.returncode}:\n{_log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail("replicas did not register within 420 s:\n" +
+                            "\n".join(_log_tail(p) for _, p in procs))
+            time.sleep(1)
+        yield store, infos, manifest
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.terminate()  # SIGTERM: the sidecar deregisters and stops vLLM
+        for proc, _ in procs:
+            stop(proc, timeout_s=60)

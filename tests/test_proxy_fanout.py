@@ -402,6 +402,7 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
             late_info = info(late)
             register(store, late_info)
             deadline = time.monotonic() + 10
+            served_while_joining = 0
             while "r1" not in proxy.routable:
                 assert time.monotonic() < deadline, "the late replica never joined"
                 # Traffic keeps flowing meanwhile; none of it may reach the joiner.
@@ -409,7 +410,9 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
                     resp = await client.post("/v1/completions", json={"model": manifest.lora_name(2),
                                                                       "prompt": list(range(i * 100, i * 100 + 40))})
                     assert resp.status_code == 200 and resp.json()["served_by"] == "r0"
+                    served_while_joining += 1
                 await asyncio.sleep(0.02)
+            assert served_while_joining > 0  # the join took a while (the fake lagged), traffic went on
             # Joined: it holds both adapters and now gets new prompts too.
             served = set()
             for i in range(8):
@@ -426,6 +429,7 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
                 await asyncio.sleep(0.02)
     run(body())
     assert late.loaded == {manifest.lora_name(v): f"/mirror/r1/v00000{v}" for v in (1, 2)}
+    assert late.load_attempts == 4  # 2 x "No adapter found", then both versions
     first_generation = next(i for i, (k, _) in enumerate(late.calls) if k == "completions")
     assert all(k == "load" for k, _ in late.calls[:first_generation])
     joins = [e for e in events.read_all(store) if e["kind"] == events.LOADED and e.get("late_join")]
@@ -658,3 +662,33 @@ def test_served_by_uvicorn_over_real_sockets(tmp_path):
     local_root = store.local_path("adapters")
     for f in (f0, f1):
         assert f.loaded == {manifest.lora_name(1): f"{local_root}/v000001"}
+
+
+def test_registered_replica_that_does_not_answer_gets_no_traffic(tmp_path):
+    """A registry entry whose server is gone (the transport refuses "ghost"); no real replica can be half-dead on cue."""
+    store, manifest = make_store(tmp_path)
+    live = FakeReplica("r0")
+    for name in ("r0", "ghost"):
+        register(store, ReplicaInfo(replica_id=name, url=f"http://{name}", adapter_root="/a", base_model="base",
+                                    block_size=16, max_loras=6, started_at=1.0))
+
+    async def body():
+        async with running(store, manifest, ProxyConfig(refresh_s=0.05), [live]) as (proxy, client, _t):
+            assert list(proxy.routable) == ["r0"]
+            for i in range(4):
+                resp = await client.post("/v1/completions", json={"model": "base", "prompt": [i] * 40})
+                assert resp.json()["served_by"] == "r0"
+    run(body())
+
+
+def test_lora_path_forms_for_an_object_store_bucket():
+    """Pure path check (no server): with an s3:// bucket, its own URL is accepted and local paths are not."""
+    from proxy.adapters import BadAdapterPath, version_dir_of
+
+    store = Store("s3://my-bucket/run")
+    assert version_dir_of(store, "s3://my-bucket/run/adapters/v000007") == "v000007"
+    assert version_dir_of(store, "adapters/v000007") == "v000007"
+    for bad in ("s3://my-bucket/other/adapters/v000007", "s3://my-bucket/run/adapters/../adapters/v000007",
+                "/mnt/my-bucket/run/adapters/v000007", "s3://my-bucket/run-2/adapters/v000007"):
+        with pytest.raises(BadAdapterPath):
+            version_dir_of(store, bad)

@@ -177,3 +177,15 @@ def test_common_prefix_waits_for_a_second_distinct_prompt():
 @pytest.mark.parametrize("bad", [[-1] * 32, [2**40] * 32])
 def test_odd_token_values_still_hash(bad):
     assert len(token_block_hashes(bad, "m", 16)) == 2
+
+
+def test_sequential_new_prompts_alternate_despite_unrouted_traffic():
+    """A client that tokenizes (forwarded to the least-loaded replica) before each generation must not
+    make every new prompt land on the same idle replica."""
+    r = router(("r0", "r1"))
+    counts = Counter()
+    for i in range(8):
+        r.least_loaded()  # /tokenize in between: places no prompt, changes no routing state
+        d = r.route_tokens("m", prompt(i))
+        counts[d.replica] += 1  # finished before the next one starts: all replicas idle again
+    assert counts == {"r0": 4, "r1": 4}

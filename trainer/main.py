@@ -113,10 +113,10 @@ class RolloutBuffer:
             for i in idxs:
                 self.queue.append((f"{key}#{i}", ScoredGroup(**groups[i])))
 
-    def poll(self, current_version: int) -> int:
+    def poll(self, current_version: int, max_shards: int | None = None) -> int:
         """Read new shards; drop (and record) groups outside the staleness window. Returns groups added."""
         added = 0
-        for record, shard in read_new_shards(self.store, self.cursors):
+        for record, shard in read_new_shards(self.store, self.cursors, limit=max_shards):
             self.cursors[record.writer] = record.seq
             for i, group in enumerate(shard.groups):
                 gid = f"{record.key}#{i}"
@@ -196,7 +196,10 @@ def run(config: Config) -> int:
     last_data = time.monotonic()
     started = time.monotonic()
     while step < tc.max_steps:
-        buffer.poll(version)
+        if len(buffer.queue) < tc.groups_per_step:
+            # Read only what the next step needs: the cursors then say how far training really got,
+            # which is what rollout workers pace themselves by (trainer/progress.json).
+            buffer.poll(version, max_shards=tc.groups_per_step)
         if len(buffer.queue) < tc.groups_per_step:
             if time.monotonic() - last_data > tc.rollout_wait_s:
                 raise RuntimeError(
@@ -235,6 +238,8 @@ def run(config: Config) -> int:
             "perf/samples_per_s": len(rewards) / step_s if step_s > 0 else 0.0,
         }
         ev.emit(events.TRAIN_STEP, **metrics)
+        store.put_json(layout.TRAINER_PROGRESS, {"step": step, "version": version, "cursors": buffer.cursors,
+                                                 "ts": time.time()})
         log.info("step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  %.2fs",
                  step, metrics["reward"], stats.ratio, stats.clip_ratio, stats.loss,
                  metrics["sample/staleness_mean"], step_s)

