@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # httpx logs every request at INFO; generation traffic would bury each job's own log.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     module_name, sections, _ = COMMANDS[args.command]
     try:
         config = load(args, sections)

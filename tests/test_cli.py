@@ -1,0 +1,70 @@
+"""The `brigade` CLI: help, config files and flags, and the errors a person sees on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bucket import Store
+from bucket.manifest import RunSpec, init_or_check
+from infra.config import ConfigError, load
+
+
+def brigade(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_help_explains_each_option():
+    out = brigade("trainer", "--help").stdout
+    assert "--trainer.learning-rate" in out and "AdamW learning rate" in out
+    assert "--run.max-staleness" in out and "(default: 4)" in out
+    top = brigade("--help").stdout
+    for cmd in ("local", "trainer", "rollout", "proxy", "replica", "prepare-model"):
+        assert cmd in top
+
+
+def test_toml_then_flags_then_validation(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nnum_generations = 4\n[trainer]\nlearning_rate = 1e-3\nmax_steps = 7\n')
+    import argparse
+    from infra.config import add_flags
+    p = argparse.ArgumentParser()
+    add_flags(p, ["run", "bucket", "trainer"])
+    c = load(p.parse_args(["--config", str(cfg), "--trainer.max-steps", "9", "--bucket", "/x"]), ["run", "bucket", "trainer"])
+    assert (c.run.num_generations, c.trainer.learning_rate, c.trainer.max_steps, c.bucket.url) == (4, 1e-3, 9, "/x")
+    with pytest.raises(ConfigError, match=r"trainer.max_steps"):
+        load(p.parse_args(["--trainer.max-steps", "-1"]), ["trainer"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainr]\nx = 1\n")
+    with pytest.raises(ConfigError, match="unknown tables"):
+        load(path=str(bad))
+
+
+def test_missing_bucket_flag():
+    r = brigade("trainer")
+    assert r.returncode == 2 and "no bucket given" in r.stderr
+
+
+def test_unreachable_bucket_is_reported(tmp_path):
+    r = brigade("rollout", "--bucket", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = brigade("proxy", "--bucket", "s3://brigade-nope/run", env={
+        "BRIGADE_S3_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+        "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"})
+    assert r.returncode == 2 and "unreachable" in r.stderr, r.stderr[-2000:]
+
+
+def test_missing_and_mismatched_run_manifest(tmp_path):
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    r = brigade("rollout", "--bucket", str(bucket), "--bucket.manifest-wait-s", "0.5")
+    assert r.returncode == 2 and "run.json is missing" in r.stderr
+    init_or_check(Store(str(bucket)), RunSpec(num_generations=8), "test")
+    r = brigade("proxy", "--bucket", str(bucket), "--run.num-generations", "4")
+    assert r.returncode == 2
+    assert "run.num_generations: run.json has 8, this proxy has 4" in r.stderr
+    assert not list(bucket.glob("rollouts/*")), "a refused job must write nothing"
