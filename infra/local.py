@@ -94,9 +94,10 @@ class Progress:
         self.store, self.cursors = store, {}
 
     def poll(self) -> None:
-        for rec in bucket_log.read_after(self.store, layout.EVENTS, self.cursors):
+        new = bucket_log.read_after(self.store, layout.EVENTS, self.cursors)
+        for rec in new:
             self.cursors[rec.writer] = rec.seq
-            e = rec.body
+        for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
             if e["kind"] == events.TRAIN_STEP:
                 print(f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
                       f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s", flush=True)

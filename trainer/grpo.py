@@ -31,41 +31,53 @@ class StepStats:
     tokens: int = 0
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t >= 1, shape [B, T-1]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+def group_logprobs(model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]],
+                   temperature: float, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p of every completion token, [G, C], and the mask of real (unpadded) tokens.
+
+    Every completion of a group continues the same prompt, so the prompt goes
+    through the model once and its KV cache is shared by the G completions
+    (the autograd graph runs through the cache, so the LoRA weights still learn
+    through the prompt positions). With ~45 prompt and 16 completion tokens
+    that is 2.5x less work than G full rows, with the same logprobs and
+    gradients (checked to 1e-4).
+    """
+    device = next(model.parameters()).device
+    g, width = len(completions), max(len(c) for c in completions)
+    comp = torch.full((g, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((g, width), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        comp[i, : len(c)] = torch.tensor(c)
+        mask[i, : len(c)] = True
+    comp, mask = comp.to(device), mask.to(device)
+    prompt = torch.tensor([prompt_ids], device=device)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    # the prompt's last position predicts every completion's first token ...
+    logits = out.logits[:, -1:].float().expand(g, 1, -1)
+    if width > 1:
+        # ... and completion position t predicts token t + 1
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(g)
+        attn = torch.cat([torch.ones((g, prompt.shape[1]), dtype=torch.long, device=device), mask.long()], dim=1)
+        rest = model(input_ids=comp[:, :-1], attention_mask=attn[:, :-1], past_key_values=cache, use_cache=True)
+        logits = torch.cat([logits, rest.logits.float()], dim=1)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-
-
-def group_tensors(group: ScoredGroup, pad_id: int, device: torch.device):
-    """Prompt + completion of every sample, right-padded; masks select the completion tokens."""
-    rows = [group.prompt_ids + s.completion_ids for s in group.samples]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    comp = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-    old = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-    p = len(group.prompt_ids)
-    for i, (row, s) in enumerate(zip(rows, group.samples)):
-        ids[i, : len(row)] = torch.tensor(row)
-        attn[i, : len(row)] = 1
-        n = len(s.completion_ids)
-        # position t of the shifted tensors predicts token t + 1
-        comp[i, p - 1 : p - 1 + n] = True
-        old[i, p - 1 : p - 1 + n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
-    return ids.to(device), attn.to(device), comp.to(device), old.to(device)
+    return torch.log_softmax(logits, dim=-1).gather(-1, comp[:, :, None]).squeeze(-1), mask
 
 
 def accumulate_group_loss(model: torch.nn.Module, group: ScoredGroup, total_tokens: int, epsilon: float,
                           temperature: float, pad_id: int, stats: StepStats) -> None:
     """Backward the group's share of the token-mean loss over the whole step (one group at a time keeps memory flat)."""
-    device = next(model.parameters()).device
-    ids, attn, comp, old = group_tensors(group, pad_id, device)
-    adv = group_advantages(torch.tensor([s.reward for s in group.samples], dtype=torch.float32, device=device))
-    logp = token_logprobs(model, ids, attn, temperature)
+    # an empty completion (immediate EOS is still one token, so this is only defensive) gets a masked-out pad
+    logp, comp = group_logprobs(model, group.prompt_ids, [s.completion_ids or [pad_id] for s in group.samples],
+                                temperature, pad_id)
+    old = torch.zeros_like(logp)
+    for i, s in enumerate(group.samples):
+        n = len(s.completion_ids)
+        comp[i, n:] = False
+        old[i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
+    adv = group_advantages(torch.tensor([s.reward for s in group.samples], dtype=torch.float32, device=logp.device))
     log_ratio = (logp - old).clamp(-20, 20)
     ratio = torch.exp(log_ratio)
     a = adv[:, None]
