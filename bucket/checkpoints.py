@@ -27,6 +27,7 @@ class TrainerState(BaseModel):
     cursors: dict[str, int] = Field(default_factory=dict)
     trained: list[str] = Field(default_factory=list, description="groups ('<shard key>#<i>') trained since `parent`")
     dropped_stale: list[str] = Field(default_factory=list, description="groups dropped as too stale since `parent`")
+    invalid: list[str] = Field(default_factory=list, description="shards that failed validation, never trained")
     pending: list[str] = Field(default_factory=list, description="groups read but not yet trained (carried over)")
     groups_trained: int = 0
     groups_dropped_stale: int = 0

@@ -9,6 +9,7 @@ all objects. Records are immutable once written.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,15 @@ class LogWriter:
         self.next_seq = last_seq(store, prefix, writer) + 1
 
     def append(self, record: dict[str, Any]) -> str:
-        key = record_key(self.prefix, self.writer, self.next_seq)
-        self.store.put_json(key, record)
-        self.next_seq += 1
-        return key
+        data = json.dumps(record, sort_keys=True).encode()
+        while True:
+            key = record_key(self.prefix, self.writer, self.next_seq)
+            # Exclusive create: a second process that was (wrongly) given the same writer id must not
+            # overwrite a record; it skips ahead instead.
+            if self.store.put_if_absent(key, data):
+                self.next_seq += 1
+                return key
+            self.next_seq = last_seq(self.store, self.prefix, self.writer) + 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,9 @@ def writers(store: Store, prefix: str) -> list[str]:
 def read_after(store: Store, prefix: str, cursors: dict[str, int], limit: int | None = None) -> list[Record]:
     """Records after each writer's cursor (cursor = last seq already read, -1 for none), in order per writer.
 
+    `limit` caps the records read *per writer*, so one busy writer cannot
+    starve the others.
+
     Writers write sequentially and each write is atomic, so the records after a
     cursor are contiguous: reading stops at the first missing number.
     """
@@ -83,7 +92,8 @@ def read_after(store: Store, prefix: str, cursors: dict[str, int], limit: int | 
         seq = cursors.get(writer, -1) + 1
         present: set[int] = set()
         listed: set[int] = set()
-        while limit is None or len(out) < limit:
+        taken = 0
+        while limit is None or taken < limit:
             part = seq // PARTITION
             if part not in listed:
                 present |= set(_seqs_in_partition(store, prefix, writer, part))
@@ -93,4 +103,5 @@ def read_after(store: Store, prefix: str, cursors: dict[str, int], limit: int | 
             key = record_key(prefix, writer, seq)
             out.append(Record(writer, seq, key, store.get_json(key)))
             seq += 1
+            taken += 1
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from bucket import layout, log
 from bucket.store import Store
@@ -24,6 +24,12 @@ class Sample(BaseModel):
     reward: float
     finish_reason: str | None = None
     replica: str = Field("", description="replica that generated it (proxy's x-brigade-replica header)")
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> "Sample":
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens")
+        return self
 
 
 class ScoredGroup(BaseModel):
@@ -55,9 +61,14 @@ class ShardWriter:
         return self._log.append(RolloutShard(worker=self.worker, groups=groups).model_dump())
 
 
+def parse_shard(record: log.Record) -> RolloutShard:
+    """Nothing here is unpickled: shards are plain JSON, validated field by field."""
+    return RolloutShard(**record.body)
+
+
 def read_new_shards(store: Store, cursors: dict[str, int], limit: int | None = None) -> list[tuple[log.Record, RolloutShard]]:
-    """Shards after the given per-worker cursors, parsed. Nothing here is unpickled: shards are plain JSON."""
-    return [(r, RolloutShard(**r.body)) for r in log.read_after(store, layout.ROLLOUTS, cursors, limit)]
+    """Shards after the given per-worker cursors, parsed."""
+    return [(r, parse_shard(r)) for r in log.read_after(store, layout.ROLLOUTS, cursors, limit)]
 
 
 def all_shard_keys(store: Store) -> list[str]:

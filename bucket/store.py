@@ -112,14 +112,21 @@ class Store:
         except json.JSONDecodeError as exc:
             raise BucketError(f"{self.url}/{key} is not valid JSON: {exc}") from exc
 
+    def _fresh(self, path: str) -> None:
+        # fsspec backends other than s3 (gcsfs, hf) may keep a listings cache; we poll for objects
+        # other machines create, so never trust it.
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
+
     def exists(self, key: str) -> bool:
+        self._fresh(self.path(key))
         return bool(self.fs.exists(self.path(key)))
 
     def list(self, prefix: str) -> list[str]:
         """Sorted names directly below `prefix` (files and folders), without temporaries."""
+        self._fresh(self.path(prefix))
         try:
-            entries = self.fs.ls(self.path(prefix), detail=False, refresh=True) if not self.is_local else \
-                self.fs.ls(self.path(prefix), detail=False)
+            entries = self.fs.ls(self.path(prefix), detail=False)
         except FileNotFoundError:
             return []
         names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
@@ -147,8 +154,9 @@ class Store:
         """Create `key` only if it does not exist; True if this call created it.
 
         Local folders get a real exclusive create (link() fails on an existing
-        name). Object stores without conditional writes fall back to
-        check-then-put; callers use this only where one writer is expected.
+        name). On object stores this is check-then-put, which only guards
+        against mistakes (two writers with one id), not a true race; callers
+        rely on it only where one writer is expected.
         """
         target = self.path(key)
         if not self.is_local:

@@ -49,7 +49,8 @@ class Job:
         if not self.running():
             return
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGTERM)  # the job's own children (vLLM) share its process group
+        # The job's process group; a replica's sidecar in turn stops its vLLM (its own process group).
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -106,7 +107,7 @@ class Progress:
             elif e["kind"] == events.LOADED_ALL:
                 print(f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)", flush=True)
             elif e["kind"] == events.LOAD_FAILED:
-                print(f"  adapter v{e.get('version')} load FAILED: {e.get('error', '')[:200]}", flush=True)
+                print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
 
 def run(config: Config) -> int:
@@ -144,6 +145,10 @@ def run(config: Config) -> int:
                                     str(config.trainer.torch_threads or lc.trainer_threads)],
                   os.path.join(logs, "trainer.log"))
     jobs = replica_jobs + [proxy, rollout, trainer]
+    def on_sigterm(signum, frame):  # `kill` of brigade local must still stop every job it started
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     deadline = time.monotonic() + lc.max_wall_s
     started = time.monotonic()
     progress = Progress(store)
@@ -191,8 +196,15 @@ def run(config: Config) -> int:
         print(f"brigade local: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
+        # Stop everything even if interrupted again meanwhile; replicas last and with the longest grace,
+        # since their sidecars deregister and then stop vLLM.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for job in reversed(jobs):
-            job.stop()
+            try:
+                job.stop(timeout_s=60 if job in replica_jobs else 30)
+            except Exception as exc:  # noqa: BLE001 - keep stopping the others
+                print(f"brigade local: could not stop {job.name}: {exc}", file=sys.stderr, flush=True)
 
     summary = summarize(store)
     summary["wall_s"] = time.monotonic() - started

@@ -94,6 +94,9 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
         # Logprobs after temperature/top-k/top-p, i.e. of the distribution
         # actually sampled from: what importance ratios must compare against.
         "--logprobs-mode", "processed_logprobs",
+        # No sampling defaults from the model's generation_config.json (top-k/top-p/penalties): the
+        # trainer reproduces only temperature, so anything else would bias the importance ratio.
+        "--generation-config", "vllm",
     ]
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import signal
 import itertools
 import logging
 import time
@@ -84,6 +85,13 @@ class Worker:
 
     # -- adapters ---------------------------------------------------------
     async def sync_adapters(self) -> None:
+        try:
+            await self._sync_adapters()
+        except httpx.HTTPError as exc:
+            # A restarting proxy must not stop generation: try again at the next poll.
+            log.warning("adapter sync with the proxy failed (%s: %s); retrying", type(exc).__name__, exc)
+
+    async def _sync_adapters(self) -> None:
         latest = await asyncio.to_thread(adapters.latest_version, self.store)
         if latest is not None and latest > self.version:
             self.ev.emit(events.DETECTED, version=latest, lora_name=self.manifest.lora_name(latest))
@@ -157,9 +165,10 @@ class Worker:
 
     def flush(self, force: bool = False) -> None:
         while self.pending and (force or len(self.pending) >= self.rc.groups_per_shard):
-            batch, self.pending = self.pending[: self.rc.groups_per_shard], self.pending[self.rc.groups_per_shard:]
+            batch = self.pending[: self.rc.groups_per_shard]
             seq = self.shards.next_seq
-            key = self.shards.write(batch)
+            key = self.shards.write(batch)  # raises on a failed write: the batch stays pending
+            self.pending = self.pending[len(batch):]
             self.shard_groups[seq] = len(batch)
             self.shards_written += 1
             self.ev.emit(events.SHARD_WRITTEN, key=key, groups=len(batch),
@@ -206,18 +215,20 @@ class Worker:
                 if not tasks:
                     if self.rc.max_groups and self.done_groups >= self.rc.max_groups:
                         break
-                    await asyncio.sleep(self.rc.poll_s)  # paused: the trainer has enough to read
+                    # Paused: the trainer has enough to read. Write what is scored even if the shard is not
+                    # full, or a shard size above the pause threshold would never be written at all.
+                    self.flush(force=True)
+                    await asyncio.sleep(self.rc.poll_s)
                     continue
                 done, tasks = await asyncio.wait(tasks, timeout=self.rc.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                last_error: Exception | None = None
                 for t in done:
                     try:
                         group = t.result()
-                    except (httpx.HTTPError, RuntimeError) as exc:
+                    except Exception as exc:  # one broken group must not lose the scored ones finished with it
                         failures += 1
-                        log.warning("group failed (%s); retrying with another prompt", exc)
-                        if failures > 50:
-                            raise
-                        await asyncio.sleep(min(5.0, 0.2 * failures))
+                        last_error = exc
+                        log.warning("group failed (%s: %s); going on with other prompts", type(exc).__name__, exc)
                         continue
                     failures = 0
                     self.done_groups += 1
@@ -226,6 +237,10 @@ class Worker:
                         self.ev.emit(events.FIRST_ROLLOUT, version=group.adapter_version)
                     self.pending.append(group)
                 self.flush()
+                if failures > 50:
+                    raise RuntimeError(f"more than 50 groups in a row failed; last error: {last_error}")
+                if last_error is not None:
+                    await asyncio.sleep(min(5.0, 0.2 * failures))
         finally:
             for t in tasks:
                 t.cancel()
@@ -260,4 +275,17 @@ async def run_async(config: Config) -> int:
 
 
 def run(config: Config) -> int:
-    return asyncio.run(run_async(config))
+    async def main() -> int:
+        # SIGTERM (a deployment stopping the job, `brigade local` ending) cancels the worker, whose
+        # `finally` writes every scored group before the process exits.
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await run_async(config)
+        except asyncio.CancelledError:
+            log.info("stopped by signal")
+            return 0
+
+    return asyncio.run(main())

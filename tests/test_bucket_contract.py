@@ -156,3 +156,24 @@ def test_events_roundtrip(store: Store):
     ev2.emit(events.LOADED_ALL, version=1, seconds=0.5)
     kinds = [e["kind"] for e in events.read_all(store)]
     assert kinds == [events.PUBLISHED, events.LOADED_ALL]
+
+
+def test_two_writers_with_one_id_never_overwrite(store: Store):
+    a, b = log.LogWriter(store, "logs", "w"), log.LogWriter(store, "logs", "w")  # a misconfigured duplicate
+    keys = [a.append({"by": "a"}), b.append({"by": "b"}), a.append({"by": "a2"})]
+    assert len(set(keys)) == 3
+    assert sorted(r.body["by"] for r in log.read_after(store, "logs", {})) == ["a", "a2", "b"]
+
+
+def test_limit_applies_per_writer_so_no_writer_starves(store: Store):
+    for w in ("a", "b"):
+        lw = log.LogWriter(store, "logs", w)
+        for i in range(3):
+            lw.append({"i": i})
+    got = log.read_after(store, "logs", {}, limit=1)
+    assert sorted((r.writer, r.seq) for r in got) == [("a", 0), ("b", 0)]
+
+
+def test_sample_needs_one_logprob_per_token():
+    with pytest.raises(ValueError, match="logprobs for"):
+        Sample(completion_ids=[1, 2], logprobs=[-0.1], text="x", reward=0.0)

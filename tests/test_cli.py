@@ -68,3 +68,20 @@ def test_missing_and_mismatched_run_manifest(tmp_path):
     assert r.returncode == 2
     assert "run.num_generations: run.json has 8, this proxy has 4" in r.stderr
     assert not list(bucket.glob("rollouts/*")), "a refused job must write nothing"
+
+
+def test_cpu_jobs_do_not_need_torch():
+    """The proxy and rollout worker run on small CPU machines: their imports and their install leave torch out."""
+    code = ("import sys, infra.cli, infra.config, rollout_worker.main, rollout_worker.prompts, bucket.rollouts; "
+            "rollout_worker.prompts.arithmetic(4, 9, 0); "
+            "bad = [m for m in ('torch', 'transformers', 'vllm', 'peft') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import tomllib
+    from pathlib import Path
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    light = project["dependencies"] + [d for extra in ("proxy", "rollout", "s3")
+                                       for d in project["optional-dependencies"][extra]]
+    heavy = ("torch", "transformers", "vllm", "peft", "accelerate")
+    assert not [d for d in light if d.split("[")[0].split(">")[0].split("=")[0].strip() in heavy], light

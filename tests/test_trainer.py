@@ -78,8 +78,14 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     store.put_bytes(f"{layout.adapter_key(4)}/adapter_model.safetensors", b"crashed mid-upload")
     writer.write([_group(base_model, rng, 0), _group(base_model, rng, 3)])
     writer.write([_group(base_model, rng, 3), _group(base_model, rng, 3)])
+    # a malformed shard (one logprob missing) is recorded as invalid and skipped, not retried forever
+    bad = _group(base_model, rng, 3).model_dump()
+    bad["samples"][0]["logprobs"].pop()
+    store.put_json(f"{layout.ROLLOUTS}/w0/000000/{5:012d}.json", {"worker": "w0", "groups": [bad]})
+    writer.write([_group(base_model, rng, 3)])
     assert run_trainer(_config(bucket, model_dir, max_steps=3)) == 0
     final = checkpoints.load_latest(store)
+    assert final.invalid == [f"{layout.ROLLOUTS}/w0/000000/{5:012d}.json"]
     assert final.step == 3 and final.version == 5  # v4 was left half-written: its name is never reused
     lineage = checkpoints.lineage(store)
     trained = [g for s in lineage for g in s.trained]

@@ -19,7 +19,8 @@ import time
 from bucket import adapters, checkpoints, events, layout
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, init_or_check
-from bucket.rollouts import ScoredGroup, read_new_shards
+from bucket import log as bucket_log
+from bucket.rollouts import ScoredGroup, parse_shard
 from bucket.store import Store
 from infra.config import Config, ConfigError
 from infra.init_run import open_bucket
@@ -101,6 +102,7 @@ class RolloutBuffer:
         self.cursors: dict[str, int] = {}
         self.queue: collections.deque[tuple[str, ScoredGroup]] = collections.deque()
         self.dropped: list[str] = []
+        self.invalid: list[str] = []
 
     def restore(self, state: checkpoints.TrainerState) -> None:
         self.cursors = dict(state.cursors)
@@ -116,8 +118,15 @@ class RolloutBuffer:
     def poll(self, current_version: int, max_shards: int | None = None) -> int:
         """Read new shards; drop (and record) groups outside the staleness window. Returns groups added."""
         added = 0
-        for record, shard in read_new_shards(self.store, self.cursors, limit=max_shards):
+        for record in bucket_log.read_after(self.store, layout.ROLLOUTS, self.cursors, limit=max_shards):
             self.cursors[record.writer] = record.seq
+            try:
+                shard = parse_shard(record)
+            except ValueError as exc:
+                # Recorded and skipped: raising would crash every restart on the same shard.
+                log.error("rollout shard %s is malformed and is skipped: %s", record.key, exc)
+                self.invalid.append(record.key)
+                continue
             for i, group in enumerate(shard.groups):
                 gid = f"{record.key}#{i}"
                 if current_version - group.adapter_version > self.max_staleness:
@@ -179,14 +188,22 @@ def run(config: Config) -> int:
         totals["dropped"] += len(buffer.dropped)
         checkpoints.save(store, checkpoints.TrainerState(
             version=version, step=step, cursors=buffer.cursors, trained=trained, dropped_stale=buffer.dropped,
-            pending=[gid for gid, _ in buffer.queue], groups_trained=totals["groups"],
+            invalid=buffer.invalid, pending=[gid for gid, _ in buffer.queue], groups_trained=totals["groups"],
             groups_dropped_stale=totals["dropped"], parent=parent,
         ), {OPTIMIZER_FILE: optimizer_bytes(optimizer)})
         ev.emit(events.PUBLISHED, version=version, lora_name=manifest.lora_name(version), step=step,
                 committed_at=marker["committed_at"])
         log.info("published adapter %s (%s) at step %d", layout.version_dir(version), manifest.lora_name(version), step)
-        trained, buffer.dropped = [], []
+        trained, buffer.dropped, buffer.invalid = [], [], []
 
+    def write_progress() -> None:
+        # What rollout workers pace themselves by: written whenever the cursors move, even when no
+        # step can run yet (e.g. everything read was stale), so a paused worker always resumes.
+        store.put_json(layout.TRAINER_PROGRESS, {"step": step, "version": version, "cursors": buffer.cursors,
+                                                 "ts": time.time()})
+
+    if step < tc.max_steps:
+        store.delete(layout.TRAINER_DONE)  # resuming a finished run with a larger max_steps
     if state is None:
         publish()  # version 1 = the untrained adapter (B = 0), so every rollout goes through an adapter
 
@@ -199,7 +216,10 @@ def run(config: Config) -> int:
         if len(buffer.queue) < tc.groups_per_step:
             # Read only what the next step needs: the cursors then say how far training really got,
             # which is what rollout workers pace themselves by (trainer/progress.json).
+            before = dict(buffer.cursors)
             buffer.poll(version, max_shards=tc.groups_per_step)
+            if buffer.cursors != before:
+                write_progress()
         if len(buffer.queue) < tc.groups_per_step:
             if time.monotonic() - last_data > tc.rollout_wait_s:
                 raise RuntimeError(
@@ -238,8 +258,6 @@ def run(config: Config) -> int:
             "perf/samples_per_s": len(rewards) / step_s if step_s > 0 else 0.0,
         }
         ev.emit(events.TRAIN_STEP, **metrics)
-        store.put_json(layout.TRAINER_PROGRESS, {"step": step, "version": version, "cursors": buffer.cursors,
-                                                 "ts": time.time()})
         log.info("step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  %.2fs",
                  step, metrics["reward"], stats.ratio, stats.clip_ratio, stats.loss,
                  metrics["sample/staleness_mean"], step_s)
