@@ -1,0 +1,65 @@
+"""The rollout worker against the real proxy and the session's real vLLM replicas.
+
+Each job runs as its own process (`brigade proxy`, `brigade rollout`), as in a deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from bucket.rollouts import read_new_shards
+from conftest import REPO_ROOT, free_port, stop, wait_http
+
+
+def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
+    store, _, manifest = vllm_replicas
+    port = free_port()
+    common = ["--bucket", store.url, "--bucket.manifest-wait-s", "5"]
+    proxy = subprocess.Popen([sys.executable, "-m", "infra.cli", "proxy", *common, "--proxy.port", str(port),
+                              "--proxy.refresh-s", "0.5"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    worker_log = tmp_path / "rollout.log"
+    worker = None
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 60, proxy)
+        with open(worker_log, "wb") as out:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "infra.cli", "rollout", *common, "--rollout.proxy-url",
+                 f"http://127.0.0.1:{port}", "--rollout.worker-id", "w-sigterm", "--rollout.groups-per-shard", "3",
+                 "--rollout.max-unconsumed-groups", "0", "--rollout.max-inflight-groups", "2",
+                 "--rollout.max-completion-length", "6"],
+                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while not [r for r, _ in read_new_shards(store, {}) if r.writer == "w-sigterm"]:
+            assert worker.poll() is None, worker_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no shard within 240 s"
+            time.sleep(0.5)
+        time.sleep(2)  # let more groups finish, so some are scored but not yet in a full shard
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker_log.read_text()[-3000:]
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(proxy)
+
+    text = worker_log.read_text()
+    m = re.search(r"stopped: (\d+) groups in (\d+) shards", text)
+    assert m, text[-3000:]
+    shards = [s for r, s in read_new_shards(store, {}) if r.writer == "w-sigterm"]
+    # every group the worker scored is in the bucket, the last partial shard included
+    assert sum(len(s.groups) for s in shards) == int(m.group(1))
+    assert len(shards) == int(m.group(2))
+    for shard in shards:
+        for g in shard.groups:
+            assert len(g.samples) == manifest.num_generations
+            assert g.prompt.startswith("What is ") and g.extra["answer"].isdigit()
+            assert g.prompt_ids[-4:] == [1, 520, 9531, 198], "chat template's assistant turn"  # <|im_start|>assistant\n
+            for s in g.samples:
+                assert len(s.logprobs) == len(s.completion_ids) > 0 and all(lp <= 0 for lp in s.logprobs)
+                assert s.replica.startswith("test-replica-")
+                assert s.reward in (0.0, 1.0)
