@@ -165,8 +165,15 @@ def run(config: Config) -> int:
         for job in replica_jobs:
             job.start()
         print(f"starting {lc.num_replicas} vLLM replicas (about a minute on CPU) ...", flush=True)
-        wait_until("the replicas to register in the bucket",
-                   lambda: len(replicas.list_replicas(store)) >= lc.num_replicas, config.replica.startup_timeout_s + 30)
+        ours = {f"replica-{i}" for i in range(lc.num_replicas)}
+        wall_start = time.time()
+
+        def replicas_registered() -> bool:
+            # only this run's registrations: a reused bucket may hold stale ones from an earlier run
+            fresh = {r.replica_id for r in replicas.list_replicas(store) if r.started_at >= wall_start - 5}
+            return ours <= fresh
+
+        wait_until("the replicas to register in the bucket", replicas_registered, config.replica.startup_timeout_s + 30)
         t_replicas = time.monotonic() - started
         print(f"  {lc.num_replicas} replicas up after {t_replicas:.0f}s", flush=True)
         proxy.start()

@@ -85,3 +85,9 @@ def test_cpu_jobs_do_not_need_torch():
                                        for d in project["optional-dependencies"][extra]]
     heavy = ("torch", "transformers", "vllm", "peft", "accelerate")
     assert not [d for d in light if d.split("[")[0].split(">")[0].split("=")[0].strip() in heavy], light
+
+
+def test_example_config_is_valid():
+    from pathlib import Path
+    c = load(path=str(Path(__file__).parent.parent / "infra" / "example-run.toml"))
+    assert c.trainer.max_steps == 40 and c.run.num_generations == 8 and c.local.num_replicas == 2
