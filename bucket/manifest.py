@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -111,7 +110,3 @@ def wait_and_check(store: Store, spec: RunSpec, job: str, timeout_s: float) -> R
             time.sleep(0.5)
     check_manifest(manifest, spec, job)
     return manifest
-
-
-def manifest_dict(manifest: RunManifest) -> dict[str, Any]:
-    return manifest.model_dump()

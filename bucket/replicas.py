@@ -9,7 +9,6 @@ dead or a dead one look alive.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -80,6 +79,3 @@ class LivenessTracker:
             if now - since <= self.timeout_s:
                 alive.append(info)
         return alive
-
-    def snapshot(self) -> dict[str, Any]:
-        return {rid: {"beat": b, "since": s} for rid, (b, s) in self._seen.items()}

@@ -69,7 +69,3 @@ def parse_shard(record: log.Record) -> RolloutShard:
 def read_new_shards(store: Store, cursors: dict[str, int], limit: int | None = None) -> list[tuple[log.Record, RolloutShard]]:
     """Shards after the given per-worker cursors, parsed."""
     return [(r, parse_shard(r)) for r in log.read_after(store, layout.ROLLOUTS, cursors, limit)]
-
-
-def all_shard_keys(store: Store) -> list[str]:
-    return [r.key for r in log.read_after(store, layout.ROLLOUTS, {})]

@@ -182,11 +182,3 @@ class Store:
             self.fs.rm(self.path(key), recursive=True)
         except FileNotFoundError:
             pass
-
-    def download_dir(self, key: str, local_dir: str) -> None:
-        """Copy every object below `key` into `local_dir` (used to mirror adapters onto a replica)."""
-        os.makedirs(local_dir, exist_ok=True)
-        for name in self.list(key):
-            data = self.get_bytes(f"{key}/{name}")
-            with open(os.path.join(local_dir, name), "wb") as f:
-                f.write(data)

@@ -17,7 +17,8 @@ import uuid
 import httpx
 import pytest
 
-from bucket import Store
+from bucket import Store, adapters
+from bucket.manifest import RunSpec
 
 
 def free_port() -> int:
@@ -142,7 +143,7 @@ def vllm_replicas(tmp_path_factory, model_dir):
     their vLLM process trees.
     """
     from bucket import replicas
-    from bucket.manifest import RunSpec, init_or_check
+    from bucket.manifest import init_or_check
 
     root = tmp_path_factory.mktemp("replicas")
     store = Store(str(root / "bucket"))
@@ -173,3 +174,23 @@ def vllm_replicas(tmp_path_factory, model_dir):
                 proc.terminate()  # SIGTERM: the sidecar deregisters and stops vLLM
         for proc, _ in procs:
             stop(proc, timeout_s=60)
+
+
+def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str, bytes]:
+    """A real rank-1 peft adapter on the model, with B non-zero so that it changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    spec = RunSpec()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
+                                                  target_modules=spec.lora_target_modules, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    peft_model.save_pretrained(out_dir)
+    return {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}

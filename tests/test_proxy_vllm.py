@@ -20,6 +20,7 @@ import httpx
 from bucket import adapters, events, layout
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
+from conftest import make_adapter_files
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 
@@ -102,26 +103,10 @@ def test_distinct_prompts_spread_over_both_replicas(vllm_replicas):
     assert all(kind == "new" for _, kind in seen), seen  # the shared template is no routing signal
 
 
-def make_adapter(model_dir: str, out_dir: str) -> dict[str, bytes]:
-    """A real rank-1 peft adapter on the test model (its weights do not matter here, only that vLLM loads it)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from bucket.manifest import RunSpec
-
-    torch.set_num_threads(1)
-    spec = RunSpec()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
-                                     target_modules=spec.lora_target_modules)).save_pretrained(out_dir)
-    return {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}
-
-
 def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, tmp_path):
     store, infos, manifest = vllm_replicas
     version = adapters.next_version(store)
-    adapters.publish(store, version, make_adapter(model_dir, str(tmp_path / "adapter")))
+    adapters.publish(store, version, make_adapter_files(model_dir, str(tmp_path / "adapter")))
     name = manifest.lora_name(version)
     vdir = layout.version_dir(version)
 

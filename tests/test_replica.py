@@ -20,30 +20,10 @@ from replica.config import ReplicaConfig
 from replica.mirror import AdapterMirror
 from replica.vllm_server import ReplicaError, ServerPlan, VllmServer, lora_rank_cap, plan_server
 
-from conftest import REPO_ROOT, free_port, new_s3_bucket, start_replica
+from conftest import REPO_ROOT, free_port, make_adapter_files, new_s3_bucket, start_replica
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str, bytes]:
-    """A real rank-1 peft adapter on the model, with B non-zero so that it changes what the model says."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    spec = RunSpec()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
-                                                  target_modules=spec.lora_target_modules, lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(out_dir)
-    return {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}
-
 
 def process_cmdlines() -> dict[int, str]:
     out = {}

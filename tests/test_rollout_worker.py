@@ -5,7 +5,6 @@ Each job runs as its own process (`brigade proxy`, `brigade rollout`), as in a d
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess

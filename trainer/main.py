@@ -9,7 +9,6 @@ server's URL: the bucket is its only interface.
 from __future__ import annotations
 
 import collections
-import io
 import json
 import logging
 import os
@@ -79,14 +78,11 @@ def optimizer_bytes(optimizer) -> bytes:
 
 
 def load_optimizer(optimizer, data: bytes) -> None:
-    from safetensors import safe_open
     from safetensors.torch import load
 
-    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
-        f.write(data)
-        f.flush()
-        with safe_open(f.name, "pt") as sf:
-            groups = json.loads(sf.metadata()["param_groups"])
+    # safetensors = 8-byte little-endian header length, then a JSON header holding our metadata
+    header = json.loads(data[8: 8 + int.from_bytes(data[:8], "little")])
+    groups = json.loads(header["__metadata__"]["param_groups"])
     state: dict[int, dict] = collections.defaultdict(dict)
     for key, value in load(data).items():
         idx, name = key.split(".", 1)
