@@ -28,19 +28,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         bucket = os.path.join(tmp, "bucket")
-        config = load(overrides={"bucket.url": bucket, "trainer.max_steps": args.steps,
-                                 "local.num_replicas": args.replicas})
+        config = load(
+            overrides={"bucket.url": bucket, "trainer.max_steps": args.steps, "local.num_replicas": args.replicas}
+        )
         rc = run_local(config)
         with open(os.path.join(tmp, "summary.json")) as f:
             s = json.load(f)
     sync = [v["commit_to_all_loaded_s"] for v in s["versions"] if v["commit_to_all_loaded_s"] is not None]
     fanout = [v["fanout_s"] for v in s["versions"] if v["fanout_s"] is not None]
     result = {
-        "benchmark": "local_run", "ok": rc == 0, "steps": s["steps"], "replicas": args.replicas,
+        "benchmark": "local_run",
+        "ok": rc == 0,
+        "steps": s["steps"],
+        "replicas": args.replicas,
         "trained_samples_per_s": s["trained_samples_per_s"],
-        "sync_p50_s": statistics.median(sync) if sync else None, "sync_max_s": max(sync) if sync else None,
+        "sync_p50_s": statistics.median(sync) if sync else None,
+        "sync_max_s": max(sync) if sync else None,
         "fanout_p50_s": statistics.median(fanout) if fanout else None,
-        "replica_startup_s": s["replica_startup_s"], "wall_s": s["wall_s"], "mean_reward": s["mean_reward"],
+        "replica_startup_s": s["replica_startup_s"],
+        "wall_s": s["wall_s"],
+        "mean_reward": s["mean_reward"],
         "ratio_mean": s["ratio_mean"],
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))

@@ -19,9 +19,18 @@ import sys
 import time
 
 # SmolLM2-135M's shape (its config.json), so the benchmark runs anywhere without the model files.
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(dtype)
     spec = RunSpec()
-    model = get_peft_model(base, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
-                                            target_modules=spec.lora_target_modules, lora_dropout=0.0))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules, lora_dropout=0.0
+        ),
+    )
     model.to(args.device).train()
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
@@ -65,9 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def group() -> ScoredGroup:
         prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
-        samples = [Sample(completion_ids=[rng.randrange(100, 40000) for _ in range(args.completion_tokens)],
-                          logprobs=[-2.0] * args.completion_tokens, text="", reward=float(rng.random() < 0.5))
-                   for _ in range(args.generations)]
+        samples = [
+            Sample(
+                completion_ids=[rng.randrange(100, 40000) for _ in range(args.completion_tokens)],
+                logprobs=[-2.0] * args.completion_tokens,
+                text="",
+                reward=float(rng.random() < 0.5),
+            )
+            for _ in range(args.generations)
+        ]
         return ScoredGroup(prompt_id="b", prompt="", prompt_ids=prompt, adapter_version=0, samples=samples)
 
     groups = [group() for _ in range(args.groups)]
@@ -92,10 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     s = statistics.median(times)
     samples = args.groups * args.generations
     result = {
-        "benchmark": "trainer_step", "device": args.device, "dtype": args.dtype, "groups": args.groups,
-        "generations": args.generations, "prompt_tokens": args.prompt_tokens,
-        "completion_tokens": args.completion_tokens, "step_s_median": s, "step_s_min": min(times),
-        "samples_per_s": samples / s, "completion_tokens_per_s": tokens / s,
+        "benchmark": "trainer_step",
+        "device": args.device,
+        "dtype": args.dtype,
+        "groups": args.groups,
+        "generations": args.generations,
+        "prompt_tokens": args.prompt_tokens,
+        "completion_tokens": args.completion_tokens,
+        "step_s_median": s,
+        "step_s_min": min(times),
+        "samples_per_s": samples / s,
+        "completion_tokens_per_s": tokens / s,
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0

@@ -61,5 +61,7 @@ def lineage(store: Store) -> list[TrainerState]:
     state = load_latest(store)
     while state is not None:
         chain.append(state)
-        state = TrainerState(**store.get_json(f"{layout.checkpoint_key(state.parent)}/{STATE}")) if state.parent else None
+        state = (
+            TrainerState(**store.get_json(f"{layout.checkpoint_key(state.parent)}/{STATE}")) if state.parent else None
+        )
     return chain[::-1]

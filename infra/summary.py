@@ -32,16 +32,18 @@ def summarize(store: Store) -> dict[str, Any]:
     versions = []
     for v, pub in sorted(published.items()):
         done = loaded_all.get(v)
-        versions.append({
-            "version": v,
-            "step": pub.get("step"),
-            "lora_name": pub.get("lora_name"),
-            "replicas_loaded": sorted(loaded_on.get(v, set())),
-            # committed (trainer's clock) -> loaded on every replica (proxy's clock); one clock in `brigade local`
-            "commit_to_all_loaded_s": (done["ts"] - pub["committed_at"]) if done else None,
-            # the fan-out alone, on the proxy's clock
-            "fanout_s": done.get("seconds") if done else None,
-        })
+        versions.append(
+            {
+                "version": v,
+                "step": pub.get("step"),
+                "lora_name": pub.get("lora_name"),
+                "replicas_loaded": sorted(loaded_on.get(v, set())),
+                # committed (trainer's clock) -> loaded on every replica (proxy's clock); one clock in `brigade local`
+                "commit_to_all_loaded_s": (done["ts"] - pub["committed_at"]) if done else None,
+                # the fan-out alone, on the proxy's clock
+                "fanout_s": done.get("seconds") if done else None,
+            }
+        )
     shards = read_new_shards(store, {})
     groups_written = sum(len(s.groups) for _, s in shards)
     lineage = checkpoints.lineage(store)
@@ -57,7 +59,7 @@ def summarize(store: Store) -> dict[str, Any]:
         "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
         "mean_reward": statistics.fmean(rewards) if rewards else None,
         "reward_first_steps": statistics.fmean(rewards[: max(1, len(rewards) // 4)]) if rewards else None,
-        "reward_last_steps": statistics.fmean(rewards[-max(1, len(rewards) // 4):]) if rewards else None,
+        "reward_last_steps": statistics.fmean(rewards[-max(1, len(rewards) // 4) :]) if rewards else None,
         "ratio_mean": statistics.fmean(e["ratio"] for e in steps) if steps else None,
         "adapter_versions": len(published),
         "versions": versions,
@@ -82,14 +84,17 @@ def render(summary: dict[str, Any]) -> str:
         f"last quarter {f(summary['reward_last_steps'])})",
         f"ratio (mean)          {f(summary['ratio_mean'], '.4f')}",
         f"rollout groups        {summary['groups_written']} written, {summary['groups_trained']} trained, "
-        f"{summary['groups_dropped_stale']} dropped as stale, {summary['groups_pending']} read but untrained at the end",
+        f"{summary['groups_dropped_stale']} dropped as stale, "
+        f"{summary['groups_pending']} read but untrained at the end",
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s)",
         "  version  step  committed -> loaded on every replica   fan-out   replicas",
     ]
     for v in summary["versions"]:
-        lines.append(f"  v{v['version']:<7} {v['step'] if v['step'] is not None else '-':>4}  "
-                     f"{f(v['commit_to_all_loaded_s'], '.2f'):>12} s"
-                     f"{'':22}{f(v['fanout_s'], '.2f'):>6} s   {len(v['replicas_loaded'])}")
+        lines.append(
+            f"  v{v['version']:<7} {v['step'] if v['step'] is not None else '-':>4}  "
+            f"{f(v['commit_to_all_loaded_s'], '.2f'):>12} s"
+            f"{'':22}{f(v['fanout_s'], '.2f'):>6} s   {len(v['replicas_loaded'])}"
+        )
     return "\n".join(lines)
 
 

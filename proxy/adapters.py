@@ -35,22 +35,23 @@ class AdapterRef:
 def _bucket_relative(store: Store, lora_path: str) -> str:
     path = lora_path.strip()
     if path.startswith("file://"):
-        path = path[len("file://"):]
+        path = path[len("file://") :]
     if "://" in path:
         prefix = store.url.rstrip("/") + "/"
         if not path.startswith(prefix):
             raise BadAdapterPath(f"lora_path {lora_path!r} is outside this proxy's bucket {store.url}")
-        return path[len(prefix):]
+        return path[len(prefix) :]
     if path.startswith("/"):
         root = store.local_path("")
         if root is None:
             raise BadAdapterPath(
                 f"lora_path {lora_path!r} is a local path, but the bucket {store.url} is not a local folder: "
-                f"name the version as {layout.ADAPTERS}/vNNNNNN")
+                f"name the version as {layout.ADAPTERS}/vNNNNNN"
+            )
         for base, candidate in ((root, path), (os.path.realpath(root), os.path.realpath(path))):
             base = base.rstrip("/") + "/"
             if candidate.startswith(base):
-                return candidate[len(base):]
+                return candidate[len(base) :]
         raise BadAdapterPath(f"lora_path {lora_path!r} is outside this proxy's bucket {store.url}")
     return path
 
@@ -69,7 +70,8 @@ def version_dir_of(store: Store, lora_path: object) -> str:
     if len(parts) != 2 or parts[0] != layout.ADAPTERS or layout.parse_version_dir(parts[1]) is None:
         raise BadAdapterPath(
             f"lora_path {lora_path!r} does not name an adapter version folder: use "
-            f"{layout.ADAPTERS}/vNNNNNN (a folder the trainer published in the bucket)")
+            f"{layout.ADAPTERS}/vNNNNNN (a folder the trainer published in the bucket)"
+        )
     return parts[1]
 
 

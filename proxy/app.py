@@ -24,9 +24,10 @@ import math
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -39,8 +40,15 @@ from bucket.events import EventLog
 from bucket.manifest import RunManifest
 from bucket.replicas import LivenessTracker, ReplicaInfo, list_replicas
 from bucket.store import Store
-from proxy.adapters import (ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, BadAdapterPath, error_message,
-                            replica_path, version_dir_of)
+from proxy.adapters import (
+    ALREADY_LOADED,
+    NOT_FOUND_ON_DISK,
+    AdapterRef,
+    BadAdapterPath,
+    error_message,
+    replica_path,
+    version_dir_of,
+)
 from proxy.config import ProxyConfig
 from proxy.routing import DECISION_KINDS, Decision, PrefixRouter
 
@@ -54,13 +62,20 @@ PROBE_TIMEOUT_S = 5.0
 STARTUP_JOIN_WAIT_S = 10.0
 JOIN_RETRY_S = 5.0  # a replica that failed to join is retried this often, not at every refresh
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
-                502: "BadGatewayError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_response(status: int, message: str, **extra: Any) -> JSONResponse:
     """An error in vLLM's own shape, so OpenAI-style clients surface the message."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "ProxyError"), "param": None, "code": status}}
+    body = {
+        "error": {"message": message, "type": _ERROR_TYPES.get(status, "ProxyError"), "param": None, "code": status}
+    }
     return JSONResponse({**body, **extra}, status_code=status)
 
 
@@ -70,15 +85,20 @@ class ReplicaResult:
 
     replica: str
     ok: bool
-    newly: bool = False        # this call loaded it (rollback unloads only these)
+    newly: bool = False  # this call loaded it (rollback unloads only these)
     status: int | None = None  # upstream HTTP status; None = no answer at all
     reason: str = ""
-    done_at: float = 0.0       # monotonic clock of the proxy
+    done_at: float = 0.0  # monotonic clock of the proxy
     attempts: int = 1
 
     def describe(self) -> dict[str, Any]:
-        return {"replica": self.replica, "ok": self.ok, "status": self.status, "reason": self.reason,
-                "attempts": self.attempts}
+        return {
+            "replica": self.replica,
+            "ok": self.ok,
+            "status": self.status,
+            "reason": self.reason,
+            "attempts": self.attempts,
+        }
 
 
 class ProxyMetrics:
@@ -87,27 +107,37 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.decisions = Counter("brigade_proxy_routing_decisions", "Generation requests by routing decision.",
-                                 ["kind"], registry=r)
+        self.decisions = Counter(
+            "brigade_proxy_routing_decisions", "Generation requests by routing decision.", ["kind"], registry=r
+        )
         for kind in DECISION_KINDS:
             self.decisions.labels(kind)
-        self.inflight = Gauge("brigade_proxy_inflight_requests", "Requests in flight per replica.", ["replica"], registry=r)
+        self.inflight = Gauge(
+            "brigade_proxy_inflight_requests", "Requests in flight per replica.", ["replica"], registry=r
+        )
         self.replicas = Gauge("brigade_proxy_replicas", "Replicas receiving traffic.", registry=r)
-        self.waiting = Gauge("brigade_proxy_waiting_requests", "Requests waiting for a slot under max_inflight.", registry=r)
+        self.waiting = Gauge(
+            "brigade_proxy_waiting_requests", "Requests waiting for a slot under max_inflight.", registry=r
+        )
         self.load_seconds = Histogram(
-            "brigade_proxy_adapter_load_seconds", "Adapter load on all replicas, from request to the last success.",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
-        self.load_failures = Counter("brigade_proxy_adapter_load_failures", "Replicas that failed an adapter load.",
-                                     ["replica"], registry=r)
-        self.upstream_errors = Counter("brigade_proxy_upstream_errors", "Forwarded requests that got no answer.",
-                                       ["replica"], registry=r)
+            "brigade_proxy_adapter_load_seconds",
+            "Adapter load on all replicas, from request to the last success.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.load_failures = Counter(
+            "brigade_proxy_adapter_load_failures", "Replicas that failed an adapter load.", ["replica"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "brigade_proxy_upstream_errors", "Forwarded requests that got no answer.", ["replica"], registry=r
+        )
 
 
 @dataclass
 class _Slot:
     """One admitted generation request: a semaphore slot plus an in-flight count on one replica."""
 
-    proxy: "Proxy"
+    proxy: Proxy
     replica: str | None = None
     released: bool = field(default=False)
 
@@ -167,28 +197,37 @@ def _prompt_of(payload: Any) -> tuple[list[int] | None, str | None]:
 class Proxy:
     """Replica membership, adapter state and request forwarding; `create_app` puts HTTP on top."""
 
-    def __init__(self, config: ProxyConfig, store: Store, manifest: RunManifest | None = None, *,
-                 static_adapter_root: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
-                 event_log: EventLog | None = None):
+    def __init__(
+        self,
+        config: ProxyConfig,
+        store: Store,
+        manifest: RunManifest | None = None,
+        *,
+        static_adapter_root: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        event_log: EventLog | None = None,
+    ):
         self.config = config
         self.store = store
         self.manifest = manifest
         self.static = bool(config.replica_urls)
         if self.static and not static_adapter_root:
-            raise ValueError("static replica_urls need the replicas' adapter folder (proxy.adapter_root, "
-                             "or a bucket that is a local folder)")
+            raise ValueError(
+                "static replica_urls need the replicas' adapter folder (proxy.adapter_root, "
+                "or a bucket that is a local folder)"
+            )
         self.static_adapter_root = static_adapter_root or ""
         self.router = PrefixRouter(config.block_size, config.spill_threshold, config.max_routing_blocks)
         self.metrics = ProxyMetrics()
         self.events = event_log if event_log is not None else EventLog(store, "proxy")
         self.liveness = LivenessTracker(config.replica_timeout_s)
         self.routable: dict[str, ReplicaInfo] = {}
-        self.loaded: dict[str, AdapterRef] = {}   # lora_name -> version: on every routable replica
-        self.paused_query: str | None = None      # set while paused, so joiners are paused too
+        self.loaded: dict[str, AdapterRef] = {}  # lora_name -> version: on every routable replica
+        self.paused_query: str | None = None  # set while paused, so joiners are paused too
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._slots = asyncio.Semaphore(config.max_inflight)
-        self._adapter_lock = asyncio.Lock()       # loads, unloads and joins change `loaded`: one at a time
+        self._adapter_lock = asyncio.Lock()  # loads, unloads and joins change `loaded`: one at a time
         self._joining: dict[str, asyncio.Task] = {}
         self._join_retry_at: dict[str, float] = {}
         self._last_healthy: dict[str, float] = {}  # static replicas: when /health last said 200
@@ -205,10 +244,12 @@ class Proxy:
         return self._client
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=self.config.max_inflight + 64,
-                              max_keepalive_connections=self.config.max_inflight + 64)
-        self._client = httpx.AsyncClient(transport=self._transport, limits=limits,
-                                         timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0))
+        limits = httpx.Limits(
+            max_connections=self.config.max_inflight + 64, max_keepalive_connections=self.config.max_inflight + 64
+        )
+        self._client = httpx.AsyncClient(
+            transport=self._transport, limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0)
+        )
         # A restarted proxy first learns what its replicas already serve, so
         # every replica (and any that joins later) gets all of it.
         try:
@@ -221,8 +262,12 @@ class Proxy:
             await asyncio.wait(list(self._joining.values()), timeout=STARTUP_JOIN_WAIT_S)
         self._refresher = asyncio.create_task(self._refresh_forever())
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
-        log.info("proxy up: replicas from %s, %d routable, max_inflight %d", mode, len(self.routable),
-                 self.config.max_inflight)
+        log.info(
+            "proxy up: replicas from %s, %d routable, max_inflight %d",
+            mode,
+            len(self.routable),
+            self.config.max_inflight,
+        )
 
     async def close(self) -> None:
         tasks = [t for t in [self._refresher, *self._joining.values()] if t is not None]
@@ -236,9 +281,18 @@ class Proxy:
     # -- membership ------------------------------------------------------------
     def _static_infos(self) -> list[ReplicaInfo]:
         base = self.manifest.base_model if self.manifest else ""
-        return [ReplicaInfo(replica_id=url.rstrip("/"), url=url.rstrip("/"), adapter_root=self.static_adapter_root,
-                            base_model=base, block_size=self.config.block_size, max_loras=0, started_at=0.0)
-                for url in self.config.replica_urls]
+        return [
+            ReplicaInfo(
+                replica_id=url.rstrip("/"),
+                url=url.rstrip("/"),
+                adapter_root=self.static_adapter_root,
+                base_model=base,
+                block_size=self.config.block_size,
+                max_loras=0,
+                started_at=0.0,
+            )
+            for url in self.config.replica_urls
+        ]
 
     async def _healthy(self, info: ReplicaInfo) -> bool:
         try:
@@ -260,8 +314,11 @@ class Proxy:
             for info, ok in zip(infos, healthy):
                 if ok:
                     self._last_healthy[info.replica_id] = now
-            return [i for i in infos
-                    if now - self._last_healthy.get(i.replica_id, -math.inf) <= self.config.replica_timeout_s]
+            return [
+                i
+                for i in infos
+                if now - self._last_healthy.get(i.replica_id, -math.inf) <= self.config.replica_timeout_s
+            ]
         infos = await asyncio.to_thread(list_replicas, self.store)
         return self.liveness.update(infos)
 
@@ -274,8 +331,12 @@ class Proxy:
         try:
             alive = {i.replica_id: i for i in await self.discover()}
         except Exception as exc:  # a bucket hiccup must not empty the replica set
-            log.warning("could not refresh the replica set (%s: %s); keeping %d replicas",
-                        type(exc).__name__, exc, len(self.routable))
+            log.warning(
+                "could not refresh the replica set (%s: %s); keeping %d replicas",
+                type(exc).__name__,
+                exc,
+                len(self.routable),
+            )
             return
         for rid, info in list(self.routable.items()):
             now = alive.get(rid)
@@ -312,8 +373,9 @@ class Proxy:
         try:
             # A registry entry can outlive its replica by replica_timeout_s: ask before sending traffic.
             if not self.static and not await self._healthy(info):
-                log.warning("registered replica %s (%s) does not answer /health; retrying in %.0fs",
-                            rid, info.url, JOIN_RETRY_S)
+                log.warning(
+                    "registered replica %s (%s) does not answer /health; retrying in %.0fs", rid, info.url, JOIN_RETRY_S
+                )
                 self._join_retry_at[rid] = time.monotonic() + JOIN_RETRY_S
                 return
             async with self._adapter_lock:
@@ -322,21 +384,38 @@ class Proxy:
                     res = await self._load_on(info, ad, t0 + self.config.load_retry_s)
                     if not res.ok:
                         self.metrics.load_failures.labels(rid).inc()
-                        log.warning("replica %s cannot join yet: loading %s failed (%s); retrying in %.0fs",
-                                    rid, ad.lora_name, res.reason, JOIN_RETRY_S)
+                        log.warning(
+                            "replica %s cannot join yet: loading %s failed (%s); retrying in %.0fs",
+                            rid,
+                            ad.lora_name,
+                            res.reason,
+                            JOIN_RETRY_S,
+                        )
                         self._join_retry_at[rid] = time.monotonic() + JOIN_RETRY_S
                         return
                     if res.newly:  # a replica that already had it (the proxy restarted) is no sync event
-                        await self._emit(events.LOADED, version=ad.version, lora_name=ad.lora_name, replica=rid,
-                                         seconds=round(res.done_at - t0, 4), attempts=res.attempts, late_join=True)
+                        await self._emit(
+                            events.LOADED,
+                            version=ad.version,
+                            lora_name=ad.lora_name,
+                            replica=rid,
+                            seconds=round(res.done_at - t0, 4),
+                            attempts=res.attempts,
+                            late_join=True,
+                        )
                 if self.paused_query is not None:
                     await self._post(info, "/pause", query=self.paused_query)
                 self.routable[rid] = info
                 self._join_retry_at.pop(rid, None)
                 self.router.set_replicas(self.routable)
                 self.metrics.replicas.set(len(self.routable))
-                log.info("replica %s (%s) joined with %d adapters; %d replicas receive traffic",
-                         rid, info.url, len(self.loaded), len(self.routable))
+                log.info(
+                    "replica %s (%s) joined with %d adapters; %d replicas receive traffic",
+                    rid,
+                    info.url,
+                    len(self.loaded),
+                    len(self.routable),
+                )
         finally:
             if self._joining.get(rid) is asyncio.current_task():
                 self._joining.pop(rid, None)
@@ -360,31 +439,48 @@ class Proxy:
             log.info("adopted adapter %s (%s) already served by %s", name, vdir, info.replica_id)
 
     # -- upstream calls ----------------------------------------------------------
-    async def _post(self, info: ReplicaInfo, path: str, body: Any = None, query: str = "",
-                    timeout: float | None = None) -> httpx.Response:
+    async def _post(
+        self, info: ReplicaInfo, path: str, body: Any = None, query: str = "", timeout: float | None = None
+    ) -> httpx.Response:
         url = f"{info.url}{path}" + (f"?{query}" if query else "")
-        return await self.client.post(url, json=body, headers=self._auth,
-                                      timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+        return await self.client.post(
+            url, json=body, headers=self._auth, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
+        )
 
     async def _load_on(self, info: ReplicaInfo, ad: AdapterRef, deadline: float) -> ReplicaResult:
         """Load on one replica; retry "No adapter found" (its mount or mirror lagging) until `deadline`."""
-        body = {"lora_name": ad.lora_name, "lora_path": replica_path(info.adapter_root, ad.version_dir),
-                "load_inplace": False}
+        body = {
+            "lora_name": ad.lora_name,
+            "lora_path": replica_path(info.adapter_root, ad.version_dir),
+            "load_inplace": False,
+        }
         delay, attempts = RETRY_FIRST_S, 0
         while True:
             attempts += 1
             try:
                 resp = await self._post(info, "/v1/load_lora_adapter", body)
             except httpx.HTTPError as exc:
-                return ReplicaResult(info.replica_id, False, reason=f"no answer ({type(exc).__name__}: {exc})",
-                                     done_at=time.monotonic(), attempts=attempts)
+                return ReplicaResult(
+                    info.replica_id,
+                    False,
+                    reason=f"no answer ({type(exc).__name__}: {exc})",
+                    done_at=time.monotonic(),
+                    attempts=attempts,
+                )
             text = resp.text
             if resp.status_code == 200:
-                return ReplicaResult(info.replica_id, True, newly=True, status=200, done_at=time.monotonic(),
-                                     attempts=attempts)
+                return ReplicaResult(
+                    info.replica_id, True, newly=True, status=200, done_at=time.monotonic(), attempts=attempts
+                )
             if resp.status_code == 400 and ALREADY_LOADED in text:
-                return ReplicaResult(info.replica_id, True, status=400, reason="already loaded",
-                                     done_at=time.monotonic(), attempts=attempts)
+                return ReplicaResult(
+                    info.replica_id,
+                    True,
+                    status=400,
+                    reason="already loaded",
+                    done_at=time.monotonic(),
+                    attempts=attempts,
+                )
             now = time.monotonic()
             if resp.status_code == 404 and NOT_FOUND_ON_DISK in text and now < deadline:
                 await asyncio.sleep(min(delay, deadline - now))
@@ -392,29 +488,39 @@ class Proxy:
                 continue
             reason = error_message(text)
             if resp.status_code == 404 and NOT_FOUND_ON_DISK in text:
-                reason += f" (asked for {body['lora_path']}; still missing after {self.config.load_retry_s:.0f}s " \
-                          f"of retries: is the replica's adapter folder {info.adapter_root} the bucket's adapters/ " \
-                          "or its mirror?)"
-            return ReplicaResult(info.replica_id, False, status=resp.status_code, reason=reason, done_at=now,
-                                 attempts=attempts)
+                reason += (
+                    f" (asked for {body['lora_path']}; still missing after {self.config.load_retry_s:.0f}s "
+                    f"of retries: is the replica's adapter folder {info.adapter_root} the bucket's adapters/ "
+                    "or its mirror?)"
+                )
+            return ReplicaResult(
+                info.replica_id, False, status=resp.status_code, reason=reason, done_at=now, attempts=attempts
+            )
 
     async def _unload_on(self, info: ReplicaInfo, lora_name: str) -> ReplicaResult:
         try:
             resp = await self._post(info, "/v1/unload_lora_adapter", {"lora_name": lora_name})
         except httpx.HTTPError as exc:
-            return ReplicaResult(info.replica_id, False, reason=f"no answer ({type(exc).__name__}: {exc})",
-                                 done_at=time.monotonic())
+            return ReplicaResult(
+                info.replica_id, False, reason=f"no answer ({type(exc).__name__}: {exc})", done_at=time.monotonic()
+            )
         # 404: the replica does not have it, which is what an unload wants.
         ok = resp.status_code in (200, 404)
-        return ReplicaResult(info.replica_id, ok, status=resp.status_code,
-                             reason="" if resp.status_code == 200 else error_message(resp.text),
-                             done_at=time.monotonic())
+        return ReplicaResult(
+            info.replica_id,
+            ok,
+            status=resp.status_code,
+            reason="" if resp.status_code == 200 else error_message(resp.text),
+            done_at=time.monotonic(),
+        )
 
     async def _emit(self, kind: str, **fields: Any) -> None:
         """Append an event to the bucket; a bucket hiccup is logged, never fails the request."""
+
         def write() -> None:
             with self._events_lock:  # the log numbers its records: one writer at a time
                 self.events.emit(kind, **fields)
+
         try:
             await asyncio.to_thread(write)
         except Exception as exc:
@@ -429,9 +535,12 @@ class Proxy:
         if not isinstance(name, str) or not name:
             return error_response(400, "lora_name must be a non-empty string")
         if body.get("load_inplace"):
-            return error_response(400, "load_inplace is refused: vLLM keys its prefix cache by adapter name, so an "
-                                       "in-place reload would serve KV computed under the old weights. Load each "
-                                       "version under a new name.")
+            return error_response(
+                400,
+                "load_inplace is refused: vLLM keys its prefix cache by adapter name, so an "
+                "in-place reload would serve KV computed under the old weights. Load each "
+                "version under a new name.",
+            )
         try:
             vdir = version_dir_of(self.store, path)
         except BadAdapterPath as exc:
@@ -439,15 +548,20 @@ class Proxy:
         version = layout.parse_version_dir(vdir)
         assert version is not None
         if await asyncio.to_thread(bucket_adapters.commit_marker, self.store, version) is None:
-            return error_response(409, f"adapter {layout.ADAPTERS}/{vdir} is not committed (no "
-                                       f"{layout.COMMIT_MARKER}): it is still being written, or its "
-                                       "writer died; load a committed version")
+            return error_response(
+                409,
+                f"adapter {layout.ADAPTERS}/{vdir} is not committed (no "
+                f"{layout.COMMIT_MARKER}): it is still being written, or its "
+                "writer died; load a committed version",
+            )
         ad = AdapterRef(name, version, vdir)
         async with self._adapter_lock:
             known = self.loaded.get(name)
             if known is not None and known.version_dir != vdir:
-                return error_response(409, f"lora_name {name!r} is already loaded from {known.version_dir}; "
-                                           "each version needs its own name")
+                return error_response(
+                    409,
+                    f"lora_name {name!r} is already loaded from {known.version_dir}; each version needs its own name",
+                )
             targets = list(self.routable.values())
             if not targets:
                 return error_response(503, "no replica is available to load the adapter on")
@@ -457,8 +571,11 @@ class Proxy:
             rolled_back: list[ReplicaResult] = []
             if failed:
                 by_id = {r.replica_id: r for r in targets}
-                rolled_back = list(await asyncio.gather(
-                    *(self._unload_on(by_id[r.replica], name) for r in results if r.ok and r.newly)))
+                rolled_back = list(
+                    await asyncio.gather(
+                        *(self._unload_on(by_id[r.replica], name) for r in results if r.ok and r.newly)
+                    )
+                )
             else:
                 self.loaded[name] = ad
         seconds = time.monotonic() - received
@@ -466,37 +583,80 @@ class Proxy:
             return await self._load_failed(ad, results, failed, rolled_back, seconds)
         self.metrics.load_seconds.observe(seconds)
         for r in results:
-            await self._emit(events.LOADED, version=version, lora_name=name, replica=r.replica,
-                             seconds=round(r.done_at - received, 4), attempts=r.attempts, already_loaded=not r.newly)
-        await self._emit(events.LOADED_ALL, version=version, lora_name=name, seconds=round(seconds, 4),
-                         replicas=len(results))
-        log.info("loaded %s (%s) on %d replicas in %.2fs: %s", name, vdir, len(results), seconds,
-                 ", ".join(f"{r.replica} {r.done_at - received:.2f}s"
-                           + (f" after {r.attempts} tries" if r.attempts > 1 else "")
-                           + ("" if r.newly else " (already loaded)") for r in results))
+            await self._emit(
+                events.LOADED,
+                version=version,
+                lora_name=name,
+                replica=r.replica,
+                seconds=round(r.done_at - received, 4),
+                attempts=r.attempts,
+                already_loaded=not r.newly,
+            )
+        await self._emit(
+            events.LOADED_ALL, version=version, lora_name=name, seconds=round(seconds, 4), replicas=len(results)
+        )
+        log.info(
+            "loaded %s (%s) on %d replicas in %.2fs: %s",
+            name,
+            vdir,
+            len(results),
+            seconds,
+            ", ".join(
+                f"{r.replica} {r.done_at - received:.2f}s"
+                + (f" after {r.attempts} tries" if r.attempts > 1 else "")
+                + ("" if r.newly else " (already loaded)")
+                for r in results
+            ),
+        )
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully on {len(results)} replicas.")
 
-    async def _load_failed(self, ad: AdapterRef, results: list[ReplicaResult], failed: list[ReplicaResult],
-                           rolled_back: list[ReplicaResult], seconds: float) -> Response:
+    async def _load_failed(
+        self,
+        ad: AdapterRef,
+        results: list[ReplicaResult],
+        failed: list[ReplicaResult],
+        rolled_back: list[ReplicaResult],
+        seconds: float,
+    ) -> Response:
         for r in failed:
             self.metrics.load_failures.labels(r.replica).inc()
         stuck = [r.replica for r in rolled_back if not r.ok]
-        await self._emit(events.LOAD_FAILED, version=ad.version, lora_name=ad.lora_name, seconds=round(seconds, 4),
-                         failed={r.replica: r.reason for r in failed},
-                         rolled_back=[r.replica for r in rolled_back if r.ok], rollback_failed=stuck)
-        log.warning("loading %s (%s) failed on %s after %.2fs; rolled back on %d replicas%s",
-                    ad.lora_name, ad.version_dir, ", ".join(f"{r.replica} ({r.status}: {r.reason})" for r in failed),
-                    seconds, len(rolled_back) - len(stuck), f", rollback FAILED on {stuck}" if stuck else "")
+        await self._emit(
+            events.LOAD_FAILED,
+            version=ad.version,
+            lora_name=ad.lora_name,
+            seconds=round(seconds, 4),
+            failed={r.replica: r.reason for r in failed},
+            rolled_back=[r.replica for r in rolled_back if r.ok],
+            rollback_failed=stuck,
+        )
+        log.warning(
+            "loading %s (%s) failed on %s after %.2fs; rolled back on %d replicas%s",
+            ad.lora_name,
+            ad.version_dir,
+            ", ".join(f"{r.replica} ({r.status}: {r.reason})" for r in failed),
+            seconds,
+            len(rolled_back) - len(stuck),
+            f", rollback FAILED on {stuck}" if stuck else "",
+        )
         first = failed[0]
         status = first.status if first.status is not None and first.status >= 400 else 502
         undone = len(rolled_back) - len(stuck)
-        message = (f"loading {ad.lora_name} from {layout.ADAPTERS}/{ad.version_dir} failed on "
-                   f"{len(failed)} of {len(results)} replicas"
-                   + (f" (unloaded again from {undone} that had loaded it)" if undone else "")
-                   + (f" (unloading it again FAILED on {stuck})" if stuck else "") + ": "
-                   + "; ".join(f"{r.replica}: {r.reason}" for r in failed))
-        return error_response(status, message, replicas=[r.describe() for r in results],
-                              rolled_back=[r.replica for r in rolled_back if r.ok], rollback_failed=stuck)
+        message = (
+            f"loading {ad.lora_name} from {layout.ADAPTERS}/{ad.version_dir} failed on "
+            f"{len(failed)} of {len(results)} replicas"
+            + (f" (unloaded again from {undone} that had loaded it)" if undone else "")
+            + (f" (unloading it again FAILED on {stuck})" if stuck else "")
+            + ": "
+            + "; ".join(f"{r.replica}: {r.reason}" for r in failed)
+        )
+        return error_response(
+            status,
+            message,
+            replicas=[r.describe() for r in results],
+            rolled_back=[r.replica for r in rolled_back if r.ok],
+            rollback_failed=stuck,
+        )
 
     async def unload_adapter(self, body: Any) -> Response:
         name = body.get("lora_name") if isinstance(body, dict) else None
@@ -509,13 +669,20 @@ class Proxy:
             # unload counts that replica's 404 as success.
             ad = self.loaded.pop(name, None)
         failed = [r for r in results if not r.ok]
-        await self._emit(events.UNLOADED, version=ad.version if ad else None, lora_name=name,
-                         replicas=len(results), failed={r.replica: r.reason for r in failed})
+        await self._emit(
+            events.UNLOADED,
+            version=ad.version if ad else None,
+            lora_name=name,
+            replicas=len(results),
+            failed={r.replica: r.reason for r in failed},
+        )
         if failed:
             log.warning("unloading %s failed on %s", name, ", ".join(f"{r.replica} ({r.reason})" for r in failed))
-            return error_response(502, f"unloading {name} failed on "
-                                       + "; ".join(f"{r.replica}: {r.reason}" for r in failed),
-                                  replicas=[r.describe() for r in results])
+            return error_response(
+                502,
+                f"unloading {name} failed on " + "; ".join(f"{r.replica}: {r.reason}" for r in failed),
+                replicas=[r.describe() for r in results],
+            )
         log.info("unloaded %s from %d replicas", name, len(results))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully from {len(results)} replicas.")
 
@@ -560,8 +727,14 @@ class Proxy:
         headers = {"x-brigade-replica": decision.replica, "x-brigade-route": decision.kind}
         media_type = resp.headers.get("content-type")
         if isinstance(payload, dict) and payload.get("stream"):
-            return _RelayResponse(self._relay(resp, slot), slot, resp, status_code=resp.status_code,
-                                  media_type=media_type, headers=headers)
+            return _RelayResponse(
+                self._relay(resp, slot),
+                slot,
+                resp,
+                status_code=resp.status_code,
+                media_type=media_type,
+                headers=headers,
+            )
         try:
             content = await resp.aread()
         except httpx.HTTPError as exc:
@@ -572,15 +745,17 @@ class Proxy:
             slot.release()
         return Response(content, status_code=resp.status_code, media_type=media_type, headers=headers)
 
-    async def _open_upstream(self, path: str, body: bytes, payload: Any, headers: dict[str, str],
-                             slot: _Slot) -> tuple[Decision, httpx.Response] | Response:
+    async def _open_upstream(
+        self, path: str, body: bytes, payload: Any, headers: dict[str, str], slot: _Slot
+    ) -> tuple[Decision, httpx.Response] | Response:
         """Route, count the request in flight on its replica, and send it; an error Response if no replica took it."""
         tried: set[str] = set()
         while True:
             decision = self._route(payload, tried)
             if decision is None:
-                return error_response(503, "no replica is available"
-                                      + (f" (no answer from {sorted(tried)})" if tried else ""))
+                return error_response(
+                    503, "no replica is available" + (f" (no answer from {sorted(tried)})" if tried else "")
+                )
             self.metrics.decisions.labels(decision.kind).inc()
             self.router.start(decision.replica)
             slot.replica = decision.replica
@@ -619,8 +794,13 @@ class Proxy:
         if info is None:
             return error_response(503, "no replica is available")
         try:
-            resp = await self.client.request(request.method, f"{info.url}{path}", params=request.query_params,
-                                             content=await request.body(), headers=self._upstream_headers(request))
+            resp = await self.client.request(
+                request.method,
+                f"{info.url}{path}",
+                params=request.query_params,
+                content=await request.body(),
+                headers=self._upstream_headers(request),
+            )
         except httpx.HTTPError as exc:
             self.metrics.upstream_errors.labels(rid).inc()
             return error_response(502, f"replica {rid} did not answer: {type(exc).__name__}: {exc}")
@@ -637,8 +817,11 @@ class Proxy:
             if isinstance(a, BaseException):
                 results[info.replica_id] = {"ok": False, "reason": f"no answer ({type(a).__name__}: {a})"}
             else:
-                results[info.replica_id] = {"ok": a.status_code == 200, "status": a.status_code,
-                                            **({} if a.status_code == 200 else {"reason": error_message(a.text)})}
+                results[info.replica_id] = {
+                    "ok": a.status_code == 200,
+                    "status": a.status_code,
+                    **({} if a.status_code == 200 else {"reason": error_message(a.text)}),
+                }
         if path == "/pause":
             self.paused_query = query
         elif path == "/resume":
@@ -648,18 +831,21 @@ class Proxy:
             # Every replica gave the same answer (e.g. 404: vLLM serves /pause in dev mode only): pass it on.
             statuses = {results[rid].get("status") for rid in bad}
             status = statuses.pop() if len(bad) == len(results) and len(statuses) == 1 else None
-            return error_response(status if status and status >= 400 else 502, f"{path} failed on {bad}",
-                                  replicas=results)
+            return error_response(
+                status if status and status >= 400 else 502, f"{path} failed on {bad}", replicas=results
+            )
         return JSONResponse({"status": "paused" if path == "/pause" else "resumed", "replicas": results})
 
     async def world_size(self) -> int:
         """Sum of the replicas' world sizes (TP*PP*DP each); 1 for a replica that does not say."""
+
         async def one(info: ReplicaInfo) -> int:
             try:
                 resp = await self.client.get(f"{info.url}/get_world_size", headers=self._auth, timeout=PROBE_TIMEOUT_S)
                 return int(resp.json()["world_size"]) if resp.status_code == 200 else 1
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return 1
+
         return sum(await asyncio.gather(*(one(i) for i in self.routable.values())))
 
     def info(self) -> dict[str, Any]:
@@ -667,13 +853,23 @@ class Proxy:
         return {
             "run_id": self.manifest.run_id if self.manifest else None,
             "bucket": self.store.url,
-            "replicas": [{"replica_id": i.replica_id, "url": i.url, "adapter_root": i.adapter_root,
-                          "inflight": self.router.inflight(i.replica_id)} for i in self.routable.values()],
+            "replicas": [
+                {
+                    "replica_id": i.replica_id,
+                    "url": i.url,
+                    "adapter_root": i.adapter_root,
+                    "inflight": self.router.inflight(i.replica_id),
+                }
+                for i in self.routable.values()
+            ],
             "joining": sorted(self._joining),
             "loaded_adapters": {n: a.version_dir for n, a in self.loaded.items()},
             "paused": self.paused_query is not None,
-            "routing": {"decisions": dict(self.router.decisions), "known_blocks": self.router.known_blocks(),
-                        "shared_prefix_blocks": self.router.shared_prefix_blocks()},
+            "routing": {
+                "decisions": dict(self.router.decisions),
+                "known_blocks": self.router.known_blocks(),
+                "shared_prefix_blocks": self.router.shared_prefix_blocks(),
+            },
             "config": cfg,
         }
 
@@ -684,8 +880,11 @@ class Proxy:
         info = self.routable.get(rid) if rid else None
         if info is not None:
             try:
-                resp = await self.client.get(f"{info.url}/server_info" + (f"?{query}" if query else ""),
-                                             headers=self._auth, timeout=PROBE_TIMEOUT_S)
+                resp = await self.client.get(
+                    f"{info.url}/server_info" + (f"?{query}" if query else ""),
+                    headers=self._auth,
+                    timeout=PROBE_TIMEOUT_S,
+                )
                 if resp.status_code == 200 and isinstance(resp.json(), dict):
                     out = resp.json()
             except (httpx.HTTPError, ValueError):
@@ -697,8 +896,11 @@ class Proxy:
             return True, f"{len(self.routable)} replicas receive traffic"
         if self._joining:
             return False, f"replicas {sorted(self._joining)} are joining (loading adapters); none receives traffic yet"
-        source = f"replica_urls {self.config.replica_urls}" if self.static else \
-            f"the registry {self.store.url}/replicas (heartbeat within {self.config.replica_timeout_s:.0f}s)"
+        source = (
+            f"replica_urls {self.config.replica_urls}"
+            if self.static
+            else f"the registry {self.store.url}/replicas (heartbeat within {self.config.replica_timeout_s:.0f}s)"
+        )
         return False, f"no live replica in {source}"
 
     def render_metrics(self) -> bytes:
@@ -727,6 +929,7 @@ def create_app(proxy: Proxy) -> FastAPI:
             for p in (path, path + "/"):
                 app.add_api_route(p, fn, methods=methods, include_in_schema=p == path)
             return fn
+
         return register
 
     async def json_body(request: Request) -> Any:

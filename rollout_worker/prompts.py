@@ -19,8 +19,13 @@ def arithmetic(num_prompts: int, max_operand: int, seed: int) -> Dataset:
     rows = []
     for i in range(num_prompts):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"prompt_id": f"add-{i}", "prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}],
-                     "answer": str(a + b)})
+        rows.append(
+            {
+                "prompt_id": f"add-{i}",
+                "prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}],
+                "answer": str(a + b),
+            }
+        )
     return Dataset.from_list(rows)
 
 

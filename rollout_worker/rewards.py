@@ -13,8 +13,9 @@ import re
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def exact_match(completions: list[str], prompts: list[str], completion_ids: list[list[int]],
-                answer: list[str], **_: object) -> list[float | None]:
+def exact_match(
+    completions: list[str], prompts: list[str], completion_ids: list[list[int]], answer: list[str], **_: object
+) -> list[float | None]:
     """1.0 when the first number in the completion equals the answer, else 0.0."""
     out: list[float | None] = []
     for text, want in zip(completions, answer):

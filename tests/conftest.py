@@ -57,12 +57,20 @@ def s3_endpoint():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "BRIGADE_S3_ENDPOINT_URL")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                      BRIGADE_S3_ENDPOINT_URL=endpoint)
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "BRIGADE_S3_ENDPOINT_URL")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        BRIGADE_S3_ENDPOINT_URL=endpoint,
+    )
     try:
         wait_http(f"{endpoint}/moto-api/", 30, proc)
         yield endpoint
@@ -119,15 +127,35 @@ def _log_tail(path: str, lines: int = 40) -> str:
         return ""
 
 
-def start_replica(bucket_url: str, model_dir: str, port: int, replica_id: str, cpu_threads: str, log_dir: str,
-                  *extra: str) -> tuple[subprocess.Popen, str]:
+def start_replica(
+    bucket_url: str, model_dir: str, port: int, replica_id: str, cpu_threads: str, log_dir: str, *extra: str
+) -> tuple[subprocess.Popen, str]:
     """`brigade replica` as its own process (the code path a deployment uses); returns it and its log path."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"sidecar-{replica_id}.log")
-    cmd = [sys.executable, "-m", "infra.cli", "replica", "--bucket", bucket_url,
-           "--replica.model-path", model_dir, "--replica.port", str(port), "--replica.replica-id", replica_id,
-           "--replica.cpu-threads", cpu_threads, "--replica.log-dir", log_dir, "--replica.heartbeat-s", "1",
-           "--replica.kv-cache-gib", "1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "replica",
+        "--bucket",
+        bucket_url,
+        "--replica.model-path",
+        model_dir,
+        "--replica.port",
+        str(port),
+        "--replica.replica-id",
+        replica_id,
+        "--replica.cpu-threads",
+        cpu_threads,
+        "--replica.log-dir",
+        log_dir,
+        "--replica.heartbeat-s",
+        "1",
+        "--replica.kv-cache-gib",
+        "1",
+        *extra,
+    ]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return proc, log_path
@@ -153,8 +181,11 @@ def vllm_replicas(tmp_path_factory, model_dir):
     procs = []
     try:
         for i in range(2):
-            procs.append(start_replica(store.url, model_dir, free_port(), f"test-replica-{i}", str(i % ncores),
-                                       str(root / "logs")))
+            procs.append(
+                start_replica(
+                    store.url, model_dir, free_port(), f"test-replica-{i}", str(i % ncores), str(root / "logs")
+                )
+            )
         deadline = time.monotonic() + 420
         while True:
             infos = sorted(replicas.list_replicas(store), key=lambda r: r.replica_id)
@@ -164,8 +195,7 @@ def vllm_replicas(tmp_path_factory, model_dir):
                 if proc.poll() is not None:
                     pytest.fail(f"replica sidecar exited with {proc.returncode}:\n{_log_tail(log_path)}")
             if time.monotonic() > deadline:
-                pytest.fail("replicas did not register within 420 s:\n" +
-                            "\n".join(_log_tail(p) for _, p in procs))
+                pytest.fail("replicas did not register within 420 s:\n" + "\n".join(_log_tail(p) for _, p in procs))
             time.sleep(1)
         yield store, infos, manifest
     finally:
@@ -186,8 +216,12 @@ def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str,
     torch.manual_seed(seed)
     spec = RunSpec()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha,
-                                                  target_modules=spec.lora_target_modules, lora_dropout=0.0))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules, lora_dropout=0.0
+        ),
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:

@@ -53,7 +53,10 @@ def test_unreachable_bucket(tmp_path, s3_endpoint, monkeypatch):
     with pytest.raises(BucketError, match="does not exist"):
         Store(str(tmp_path / "nope")).check_reachable()
     monkeypatch.setenv("BRIGADE_S3_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
-    s = Store("s3://no-such-bucket/run", storage_options={"config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
+    s = Store(
+        "s3://no-such-bucket/run",
+        storage_options={"config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}},
+    )
     with pytest.raises(BucketError, match="unreachable"):
         s.check_reachable()
 
@@ -105,8 +108,13 @@ def test_writer_id_validated(store: Store):
 
 
 def _group(version: int, n: int = 2) -> ScoredGroup:
-    return ScoredGroup(prompt_id="p", prompt="What is 1 + 1?", prompt_ids=[1, 2, 3], adapter_version=version,
-                       samples=[Sample(completion_ids=[4], logprobs=[-0.1], text="2", reward=1.0)] * n)
+    return ScoredGroup(
+        prompt_id="p",
+        prompt="What is 1 + 1?",
+        prompt_ids=[1, 2, 3],
+        adapter_version=version,
+        samples=[Sample(completion_ids=[4], logprobs=[-0.1], text="2", reward=1.0)] * n,
+    )
 
 
 def test_shards_per_worker_cursor(store: Store):
@@ -123,8 +131,15 @@ def test_shards_per_worker_cursor(store: Store):
 
 
 def test_replica_registry_and_liveness(store: Store):
-    info = replicas.ReplicaInfo(replica_id="r0", url="http://127.0.0.1:1", adapter_root="/x", base_model="m",
-                                block_size=32, max_loras=6, started_at=0.0)
+    info = replicas.ReplicaInfo(
+        replica_id="r0",
+        url="http://127.0.0.1:1",
+        adapter_root="/x",
+        base_model="m",
+        block_size=32,
+        max_loras=6,
+        started_at=0.0,
+    )
     replicas.register(store, info)
     tracker = replicas.LivenessTracker(timeout_s=10)
     assert [r.replica_id for r in tracker.update(replicas.list_replicas(store), now=0)] == ["r0"]
@@ -138,8 +153,11 @@ def test_replica_registry_and_liveness(store: Store):
 
 def test_checkpoint_lineage(store: Store):
     checkpoints.save(store, checkpoints.TrainerState(version=1, step=0), {"optimizer.safetensors": b"o1"})
-    checkpoints.save(store, checkpoints.TrainerState(version=2, step=2, trained=["k#0"], parent=1, cursors={"w": 0}),
-                     {"optimizer.safetensors": b"o2"})
+    checkpoints.save(
+        store,
+        checkpoints.TrainerState(version=2, step=2, trained=["k#0"], parent=1, cursors={"w": 0}),
+        {"optimizer.safetensors": b"o2"},
+    )
     # a checkpoint whose state.json was never written does not exist
     store.put_bytes(f"{layout.checkpoint_key(3)}/optimizer.safetensors", b"partial")
     latest = checkpoints.load_latest(store)

@@ -14,8 +14,14 @@ from infra.config import ConfigError, load
 
 def brigade(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     import os
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_help_explains_each_option():
@@ -29,12 +35,16 @@ def test_help_explains_each_option():
 
 def test_toml_then_flags_then_validation(tmp_path):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[run]\nnum_generations = 4\n[trainer]\nlearning_rate = 1e-3\nmax_steps = 7\n')
+    cfg.write_text("[run]\nnum_generations = 4\n[trainer]\nlearning_rate = 1e-3\nmax_steps = 7\n")
     import argparse
+
     from infra.config import add_flags
+
     p = argparse.ArgumentParser()
     add_flags(p, ["run", "bucket", "trainer"])
-    c = load(p.parse_args(["--config", str(cfg), "--trainer.max-steps", "9", "--bucket", "/x"]), ["run", "bucket", "trainer"])
+    c = load(
+        p.parse_args(["--config", str(cfg), "--trainer.max-steps", "9", "--bucket", "/x"]), ["run", "bucket", "trainer"]
+    )
     assert (c.run.num_generations, c.trainer.learning_rate, c.trainer.max_steps, c.bucket.url) == (4, 1e-3, 9, "/x")
     with pytest.raises(ConfigError, match=r"trainer.max_steps"):
         load(p.parse_args(["--trainer.max-steps", "-1"]), ["trainer"])
@@ -52,9 +62,18 @@ def test_missing_bucket_flag():
 def test_unreachable_bucket_is_reported(tmp_path):
     r = brigade("rollout", "--bucket", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = brigade("proxy", "--bucket", "s3://brigade-nope/run", env={
-        "BRIGADE_S3_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
-        "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"})
+    r = brigade(
+        "proxy",
+        "--bucket",
+        "s3://brigade-nope/run",
+        env={
+            "BRIGADE_S3_ENDPOINT_URL": "http://127.0.0.1:9",
+            "AWS_ACCESS_KEY_ID": "x",
+            "AWS_SECRET_ACCESS_KEY": "y",
+            "AWS_MAX_ATTEMPTS": "1",
+            "AWS_RETRY_MODE": "standard",
+        },
+    )
     assert r.returncode == 2 and "unreachable" in r.stderr, r.stderr[-2000:]
 
 
@@ -72,22 +91,27 @@ def test_missing_and_mismatched_run_manifest(tmp_path):
 
 def test_cpu_jobs_do_not_need_torch():
     """The proxy and rollout worker run on small CPU machines: their imports and their install leave torch out."""
-    code = ("import sys, infra.cli, infra.config, rollout_worker.main, rollout_worker.prompts, bucket.rollouts; "
-            "rollout_worker.prompts.arithmetic(4, 9, 0); "
-            "bad = [m for m in ('torch', 'transformers', 'vllm', 'peft') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, infra.cli, infra.config, rollout_worker.main, rollout_worker.prompts, bucket.rollouts; "
+        "rollout_worker.prompts.arithmetic(4, 9, 0); "
+        "bad = [m for m in ('torch', 'transformers', 'vllm', 'peft') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     import tomllib
     from pathlib import Path
+
     project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
-    light = project["dependencies"] + [d for extra in ("proxy", "rollout", "s3")
-                                       for d in project["optional-dependencies"][extra]]
+    light = project["dependencies"] + [
+        d for extra in ("proxy", "rollout", "s3") for d in project["optional-dependencies"][extra]
+    ]
     heavy = ("torch", "transformers", "vllm", "peft", "accelerate")
     assert not [d for d in light if d.split("[")[0].split(">")[0].split("=")[0].strip() in heavy], light
 
 
 def test_example_config_is_valid():
     from pathlib import Path
+
     c = load(path=str(Path(__file__).parent.parent / "infra" / "example-run.toml"))
     assert c.trainer.max_steps == 40 and c.run.num_generations == 8 and c.local.num_replicas == 2

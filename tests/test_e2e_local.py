@@ -13,13 +13,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import free_port
 
 from bucket import checkpoints, events
 from bucket.manifest import read_manifest
 from bucket.rollouts import read_new_shards
 from bucket.store import Store
 from infra.summary import summarize
-from conftest import free_port
 
 STEPS, SYNC, STALENESS = 6, 2, 2
 
@@ -30,15 +30,40 @@ def local_run(tmp_path_factory, model_dir):
     bucket = run_dir / "bucket"
     proxy_port = free_port()
     cmd = [
-        sys.executable, "-m", "infra.cli", "local", "--bucket", str(bucket),
-        "--trainer.model-path", model_dir, "--replica.model-path", model_dir,
-        "--run.num-generations", "4", "--run.max-staleness", str(STALENESS),
-        "--trainer.max-steps", str(STEPS), "--trainer.weight-sync-steps", str(SYNC),
-        "--trainer.groups-per-step", "2",
-        "--rollout.max-completion-length", "8", "--rollout.groups-per-shard", "1",
-        "--rollout.max-inflight-groups", "2",
-        "--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}",
-        "--local.base-port", str(free_port()), "--local.max-wall-s", "900",
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "local",
+        "--bucket",
+        str(bucket),
+        "--trainer.model-path",
+        model_dir,
+        "--replica.model-path",
+        model_dir,
+        "--run.num-generations",
+        "4",
+        "--run.max-staleness",
+        str(STALENESS),
+        "--trainer.max-steps",
+        str(STEPS),
+        "--trainer.weight-sync-steps",
+        str(SYNC),
+        "--trainer.groups-per-step",
+        "2",
+        "--rollout.max-completion-length",
+        "8",
+        "--rollout.groups-per-shard",
+        "1",
+        "--rollout.max-inflight-groups",
+        "2",
+        "--proxy.port",
+        str(proxy_port),
+        "--rollout.proxy-url",
+        f"http://127.0.0.1:{proxy_port}",
+        "--local.base-port",
+        str(free_port()),
+        "--local.max-wall-s",
+        "900",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     return proc, Store(str(bucket))

@@ -10,11 +10,10 @@ import sys
 import time
 
 import pytest
+from conftest import REPO_ROOT
 
 from infra import prepare_model as pm
 from infra.prepare_model import PrepareModelError, prepare_model
-
-from conftest import REPO_ROOT
 
 
 def test_folder_is_a_plain_safetensors_model(model_dir):
@@ -43,7 +42,7 @@ def test_loads_in_transformers_with_a_chat_template_and_answers(model_dir):
     assert tokenizer.decode(prompt[0]).endswith("<|im_start|>assistant\n")
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
     # Weights that were dequantized wrongly give gibberish, not this.
     assert "5" in answer, answer
 
@@ -58,8 +57,13 @@ def test_second_call_is_cached(model_dir):
 
 
 def test_cli_prints_the_path(model_dir):
-    out = subprocess.run([sys.executable, "-m", "infra.cli", "prepare-model", "--trainer.model-path", model_dir],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "prepare-model", "--trainer.model-path", model_dir],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == model_dir
 
@@ -69,8 +73,13 @@ def test_path_that_is_a_file_gives_a_clear_error(tmp_path):
     target.write_text("not a folder")
     with pytest.raises(PrepareModelError, match="is not a folder"):
         prepare_model(str(target))
-    out = subprocess.run([sys.executable, "-m", "infra.cli", "prepare-model", "--trainer.model-path", str(target)],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "prepare-model", "--trainer.model-path", str(target)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "brigade prepare-model: error:" in out.stderr and "is not a folder" in out.stderr
     assert "Traceback" not in out.stderr

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -42,8 +43,8 @@ class FakeReplica:
     def __init__(self, name: str, *, fail_load: str | None = None, missing_for: int = 0):
         self.name = name
         self.url = f"http://{name}"
-        self.fail_load = fail_load        # reason to fail every load with (HTTP 500), like an engine error
-        self.missing_for = missing_for    # answer "No adapter found" this many times first (a lagging mount)
+        self.fail_load = fail_load  # reason to fail every load with (HTTP 500), like an engine error
+        self.missing_for = missing_for  # answer "No adapter found" this many times first (a lagging mount)
         self.loaded: dict[str, str] = {}  # lora_name -> path it was loaded from
         self.load_attempts = 0
         self.calls: list[tuple[str, Any]] = []
@@ -71,16 +72,33 @@ class FakeReplica:
             self.load_attempts += 1
             name, path = body["lora_name"], body["lora_path"]
             if self.fail_load:
-                return JSONResponse({"error": {"message": self.fail_load, "type": "InternalServerError",
-                                               "code": 500}}, status_code=500)
+                return JSONResponse(
+                    {"error": {"message": self.fail_load, "type": "InternalServerError", "code": 500}}, status_code=500
+                )
             if self.missing_for > 0:
                 self.missing_for -= 1
-                return JSONResponse({"error": {"message": f"Loading lora {name} failed: No adapter found for {path}",
-                                               "type": "NotFoundError", "code": 404}}, status_code=404)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"Loading lora {name} failed: No adapter found for {path}",
+                            "type": "NotFoundError",
+                            "code": 404,
+                        }
+                    },
+                    status_code=404,
+                )
             if name in self.loaded:
-                return JSONResponse({"error": {"message": f"The lora adapter '{name}' has already been loaded. If "
-                                               "you want to load the adapter in place, set 'load_inplace' to True.",
-                                               "type": "InvalidUserInput", "code": 400}}, status_code=400)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"The lora adapter '{name}' has already been loaded. If "
+                            "you want to load the adapter in place, set 'load_inplace' to True.",
+                            "type": "InvalidUserInput",
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
             self.loaded[name] = path
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -89,8 +107,16 @@ class FakeReplica:
             body = await request.json()
             self.calls.append(("unload", body))
             if self.loaded.pop(body["lora_name"], None) is None:
-                return JSONResponse({"error": {"message": f"The lora adapter '{body['lora_name']}' cannot be found.",
-                                               "type": "NotFoundError", "code": 404}}, status_code=404)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"The lora adapter '{body['lora_name']}' cannot be found.",
+                            "type": "NotFoundError",
+                            "code": 404,
+                        }
+                    },
+                    status_code=404,
+                )
             return PlainTextResponse("Success")
 
         @app.post("/v1/completions")
@@ -98,16 +124,24 @@ class FakeReplica:
             body = await request.json()
             self.calls.append(("completions", body))
             if body.get("model") not in {"base", *self.loaded}:
-                return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}},
-                                    status_code=404)
+                return JSONResponse(
+                    {"error": {"message": f"The model `{body.get('model')}` does not exist."}}, status_code=404
+                )
             if body.get("stream"):
+
                 async def events_() -> AsyncIterator[bytes]:
                     for i in range(3):
                         yield f"data: {json.dumps({'choices': [{'text': f'tok{i}'}]})}\n\n".encode()
                     yield b"data: [DONE]\n\n"
+
                 return StreamingResponse(events_(), media_type="text/event-stream")
-            return JSONResponse({"choices": [{"text": "ok", "token_ids": [1, 2]}], "served_by": self.name,
-                                 "auth": request.headers.get("authorization")})
+            return JSONResponse(
+                {
+                    "choices": [{"text": "ok", "token_ids": [1, 2]}],
+                    "served_by": self.name,
+                    "auth": request.headers.get("authorization"),
+                }
+            )
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> dict:
@@ -164,16 +198,22 @@ def make_store(tmp_path) -> tuple[Store, Any]:
 
 
 def config(replicas: list[FakeReplica], **kw: Any) -> ProxyConfig:
-    return ProxyConfig(replica_urls=[r.url for r in replicas], load_retry_s=kw.pop("load_retry_s", 5.0),
-                       refresh_s=kw.pop("refresh_s", 0.05), **kw)
+    return ProxyConfig(
+        replica_urls=[r.url for r in replicas],
+        load_retry_s=kw.pop("load_retry_s", 5.0),
+        refresh_s=kw.pop("refresh_s", 0.05),
+        **kw,
+    )
 
 
 @asynccontextmanager
-async def running(store: Store, manifest: Any, cfg: ProxyConfig, fakes: list[FakeReplica],
-                  adapter_root: str = "/replica/adapters") -> AsyncIterator[tuple[Proxy, httpx.AsyncClient, HostDispatch]]:
+async def running(
+    store: Store, manifest: Any, cfg: ProxyConfig, fakes: list[FakeReplica], adapter_root: str = "/replica/adapters"
+) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient, HostDispatch]]:
     transport = HostDispatch({f.name: f for f in fakes})
-    proxy = Proxy(cfg, store, manifest, static_adapter_root=adapter_root if cfg.replica_urls else None,
-                  transport=transport)
+    proxy = Proxy(
+        cfg, store, manifest, static_adapter_root=adapter_root if cfg.replica_urls else None, transport=transport
+    )
     app = create_app(proxy)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -194,6 +234,7 @@ def run(coro) -> Any:
 
 # -- adapter loads ------------------------------------------------------------------
 
+
 def test_load_reaches_every_replica_with_its_own_path(tmp_path):
     """Fakes record the exact path each replica was told and report success instantly."""
     store, manifest = make_store(tmp_path)
@@ -206,14 +247,14 @@ def test_load_reaches_every_replica_with_its_own_path(tmp_path):
             assert resp.status_code == 200, resp.text
             assert resp.text.startswith("Success")
             assert proxy.loaded[manifest.lora_name(3)].version == 3
+
     run(body())
     for f in fakes:
         assert f.loaded == {manifest.lora_name(3): "/replica/adapters/v000003"}
     evs = [e for e in events.read_all(store) if e["job"] == "proxy"]
     per_replica = [e for e in evs if e["kind"] == events.LOADED]
     assert sorted(e["replica"] for e in per_replica) == ["http://r0", "http://r1"]
-    assert all(e["version"] == 3 and e["lora_name"] == manifest.lora_name(3) and e["seconds"] >= 0
-               for e in per_replica)
+    assert all(e["version"] == 3 and e["lora_name"] == manifest.lora_name(3) and e["seconds"] >= 0 for e in per_replica)
     (all_,) = [e for e in evs if e["kind"] == events.LOADED_ALL]
     assert all_["version"] == 3 and all_["seconds"] >= max(e["seconds"] for e in per_replica)
 
@@ -222,7 +263,11 @@ def test_failure_on_one_replica_rolls_back_the_others(tmp_path):
     """A real vLLM cannot be made to fail a load on one replica only; the fake r2 fails every load."""
     store, manifest = make_store(tmp_path)
     adapters.publish(store, 1, ADAPTER_FILES)
-    fakes = [FakeReplica("r0"), FakeReplica("r1"), FakeReplica("r2", fail_load="LoRA rank 8 is greater than max_lora_rank 1")]
+    fakes = [
+        FakeReplica("r0"),
+        FakeReplica("r1"),
+        FakeReplica("r2", fail_load="LoRA rank 8 is greater than max_lora_rank 1"),
+    ]
 
     async def body():
         async with running(store, manifest, config(fakes), fakes) as (proxy, client, _):
@@ -235,6 +280,7 @@ def test_failure_on_one_replica_rolls_back_the_others(tmp_path):
             assert proxy.loaded == {}
             metrics = (await client.get("/metrics")).text
             assert 'brigade_proxy_adapter_load_failures_total{replica="http://r2"} 1.0' in metrics
+
     run(body())
     assert all(f.loaded == {} for f in fakes)
     assert [k for k, _ in fakes[0].calls] == ["load", "unload"]
@@ -254,6 +300,7 @@ def test_rollback_keeps_adapters_that_were_there_before(tmp_path):
             fakes[0].loaded[manifest.lora_name(1)] = "/replica/adapters/v000001"  # loaded behind the proxy's back
             resp = await client.post("/v1/load_lora_adapter", json=load_body(manifest, 1))
             assert resp.status_code == 500 and resp.json()["rolled_back"] == []
+
     run(body())
     assert manifest.lora_name(1) in fakes[0].loaded
 
@@ -268,6 +315,7 @@ def test_no_adapter_found_is_retried_on_that_replica_only(tmp_path):
         async with running(store, manifest, config(fakes), fakes) as (_, client, _t):
             resp = await client.post("/v1/load_lora_adapter", json=load_body(manifest, 2))
             assert resp.status_code == 200, resp.text
+
     run(body())
     assert (fakes[0].load_attempts, fakes[1].load_attempts) == (1, 4)
     assert all(manifest.lora_name(2) in f.loaded for f in fakes)
@@ -288,6 +336,7 @@ def test_no_adapter_found_gives_up_after_load_retry_s(tmp_path):
             assert 0.4 < time.monotonic() - t0 < 3
             assert resp.status_code == 404
             assert "No adapter found" in resp.json()["error"]["message"]
+
     run(body())
     assert fakes[0].loaded == {} and fakes[1].load_attempts > 2
 
@@ -305,26 +354,33 @@ def test_already_loaded_counts_as_success(tmp_path):
                 assert resp.status_code == 200, resp.text
             # The same name from another version is a different adapter: refused.
             adapters.publish(store, 2, ADAPTER_FILES)
-            resp = await client.post("/v1/load_lora_adapter", json={"lora_name": manifest.lora_name(1),
-                                                                      "lora_path": layout.adapter_key(2)})
+            resp = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": manifest.lora_name(1), "lora_path": layout.adapter_key(2)}
+            )
             assert resp.status_code == 409
+
     run(body())
-    assert [e["already_loaded"] for e in events.read_all(store) if e["kind"] == events.LOADED] == [False] * 2 + [True] * 2
+    assert [e["already_loaded"] for e in events.read_all(store) if e["kind"] == events.LOADED] == [False] * 2 + [
+        True
+    ] * 2
 
 
-@pytest.mark.parametrize("path, status, words", [
-    ("adapters/../run.json", 400, "'..'"),
-    ("adapters/v000001/../../secrets", 400, "'..'"),
-    ("/etc/passwd", 400, "outside"),
-    ("s3://other-bucket/adapters/v000001", 400, "outside"),
-    ("trainer/checkpoints/v000001", 400, "adapters/vNNNNNN"),
-    ("adapters", 400, "adapters/vNNNNNN"),
-    ("adapters/v000001/adapter_model.safetensors", 400, "adapters/vNNNNNN"),
-    ("adapters/latest", 400, "adapters/vNNNNNN"),
-    ("", 400, "non-empty"),
-    ("adapters/v000002", 409, "not committed"),
-    ("adapters/v000009", 409, "not committed"),
-])
+@pytest.mark.parametrize(
+    "path, status, words",
+    [
+        ("adapters/../run.json", 400, "'..'"),
+        ("adapters/v000001/../../secrets", 400, "'..'"),
+        ("/etc/passwd", 400, "outside"),
+        ("s3://other-bucket/adapters/v000001", 400, "outside"),
+        ("trainer/checkpoints/v000001", 400, "adapters/vNNNNNN"),
+        ("adapters", 400, "adapters/vNNNNNN"),
+        ("adapters/v000001/adapter_model.safetensors", 400, "adapters/vNNNNNN"),
+        ("adapters/latest", 400, "adapters/vNNNNNN"),
+        ("", 400, "non-empty"),
+        ("adapters/v000002", 409, "not committed"),
+        ("adapters/v000009", 409, "not committed"),
+    ],
+)
 def test_lora_path_must_be_a_committed_version_in_the_bucket(tmp_path, path, status, words):
     """Fakes record every load call, to prove that a refused path never reaches a replica."""
     store, manifest = make_store(tmp_path)
@@ -337,6 +393,7 @@ def test_lora_path_must_be_a_committed_version_in_the_bucket(tmp_path, path, sta
             resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
             assert resp.status_code == status, resp.text
             assert words in resp.json()["error"]["message"]
+
     run(body())
     assert fakes[0].calls == []
 
@@ -346,14 +403,19 @@ def test_lora_path_forms_inside_the_bucket(tmp_path, form):
     """Fakes show the replica gets its own adapter root, whatever form of bucket path the client sent."""
     store, manifest = make_store(tmp_path)
     adapters.publish(store, 4, ADAPTER_FILES)
-    path = {"key": "adapters/v000004", "key/": "adapters/v000004/",
-            "local": store.local_path("adapters/v000004"), "url": f"file://{store.local_path('adapters/v000004')}"}[form]
+    path = {
+        "key": "adapters/v000004",
+        "key/": "adapters/v000004/",
+        "local": store.local_path("adapters/v000004"),
+        "url": f"file://{store.local_path('adapters/v000004')}",
+    }[form]
     fakes = [FakeReplica("r0")]
 
     async def body():
         async with running(store, manifest, config(fakes), fakes) as (_, client, _t):
             resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "a4", "lora_path": path})
             assert resp.status_code == 200, resp.text
+
     run(body())
     assert fakes[0].loaded == {"a4": "/replica/adapters/v000004"}
 
@@ -372,6 +434,7 @@ def test_unload_fans_out_and_404_counts_as_unloaded(tmp_path):
             resp = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
             assert resp.status_code == 200, resp.text
             assert proxy.loaded == {}
+
     run(body())
     assert all(f.loaded == {} for f in fakes)
     assert kinds(store)[-1] == events.UNLOADED
@@ -379,8 +442,10 @@ def test_unload_fans_out_and_404_counts_as_unloaded(tmp_path):
 
 # -- membership -----------------------------------------------------------------------
 
+
 def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
-    """The fake joiner lags ("No adapter found" twice) and records whether any generation reached it before its loads."""
+    """The fake joiner lags ("No adapter found" twice) and records whether any generation reached it
+    before its loads."""
     store, manifest = make_store(tmp_path)
     for v in (1, 2):
         adapters.publish(store, v, ADAPTER_FILES)
@@ -389,8 +454,16 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
     root = store.local_path(layout.ADAPTERS)
 
     def info(f: FakeReplica) -> ReplicaInfo:
-        return ReplicaInfo(replica_id=f.name, url=f.url, adapter_root=f"/mirror/{f.name}", base_model="base",
-                           block_size=16, max_loras=6, started_at=time.time())
+        return ReplicaInfo(
+            replica_id=f.name,
+            url=f.url,
+            adapter_root=f"/mirror/{f.name}",
+            base_model="base",
+            block_size=16,
+            max_loras=6,
+            started_at=time.time(),
+        )
+
     register(store, info(early))
     cfg = ProxyConfig(refresh_s=0.05, replica_timeout_s=30, load_retry_s=5)
 
@@ -407,8 +480,10 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
                 assert time.monotonic() < deadline, "the late replica never joined"
                 # Traffic keeps flowing meanwhile; none of it may reach the joiner.
                 for i in range(4):
-                    resp = await client.post("/v1/completions", json={"model": manifest.lora_name(2),
-                                                                      "prompt": list(range(i * 100, i * 100 + 40))})
+                    resp = await client.post(
+                        "/v1/completions",
+                        json={"model": manifest.lora_name(2), "prompt": list(range(i * 100, i * 100 + 40))},
+                    )
                     assert resp.status_code == 200 and resp.json()["served_by"] == "r0"
                     served_while_joining += 1
                 await asyncio.sleep(0.02)
@@ -416,8 +491,10 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
             # Joined: it holds both adapters and now gets new prompts too.
             served = set()
             for i in range(8):
-                resp = await client.post("/v1/completions", json={"model": manifest.lora_name(2),
-                                                                  "prompt": list(range(5000 + i * 100, 5040 + i * 100))})
+                resp = await client.post(
+                    "/v1/completions",
+                    json={"model": manifest.lora_name(2), "prompt": list(range(5000 + i * 100, 5040 + i * 100))},
+                )
                 assert resp.status_code == 200, resp.text
                 served.add(resp.json()["served_by"])
             assert served == {"r0", "r1"}
@@ -427,6 +504,7 @@ def test_late_joining_replica_gets_loaded_adapters_before_traffic(tmp_path):
             while "r1" in proxy.routable:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
+
     run(body())
     assert late.loaded == {manifest.lora_name(v): f"/mirror/r1/v00000{v}" for v in (1, 2)}
     assert late.load_attempts == 4  # 2 x "No adapter found", then both versions
@@ -440,8 +518,18 @@ def test_stale_heartbeat_drops_a_replica(tmp_path):
     """Liveness is judged by heartbeat changes; fakes stand in for replicas whose sidecar stops beating."""
     store, manifest = make_store(tmp_path)
     fakes = [FakeReplica("r0"), FakeReplica("r1")]
-    infos = {f.name: ReplicaInfo(replica_id=f.name, url=f.url, adapter_root="/a", base_model="base", block_size=16,
-                                 max_loras=6, started_at=1.0) for f in fakes}
+    infos = {
+        f.name: ReplicaInfo(
+            replica_id=f.name,
+            url=f.url,
+            adapter_root="/a",
+            base_model="base",
+            block_size=16,
+            max_loras=6,
+            started_at=1.0,
+        )
+        for f in fakes
+    }
     for i in infos.values():
         register(store, i)
     cfg = ProxyConfig(refresh_s=0.05, replica_timeout_s=0.5)
@@ -459,6 +547,7 @@ def test_stale_heartbeat_drops_a_replica(tmp_path):
                 await asyncio.sleep(0.1)
             resp = await client.get("/health")
             assert resp.status_code == 503 and "no live replica" in resp.json()["reason"]
+
     run(body())
 
 
@@ -474,18 +563,27 @@ def test_restarted_proxy_adopts_adapters_the_replicas_serve(tmp_path):
         async with running(store, manifest, config(fakes), fakes) as (proxy, _c, _t):
             assert set(proxy.loaded) == {name}
             assert sorted(proxy.routable) == ["http://r0", "http://r1"]
+
     run(body())
     assert fakes[1].loaded == {name: "/replica/adapters/v000005"}
 
 
 # -- forwarding ---------------------------------------------------------------------
 
+
 def test_siblings_share_a_replica_and_bodies_pass_through(tmp_path):
     """Fakes report which replica served each request and echo the auth header they received."""
     store, manifest = make_store(tmp_path)
     fakes = [FakeReplica("r0"), FakeReplica("r1")]
-    body_in = {"model": "base", "prompt": list(range(100)), "max_tokens": 4, "logprobs": 0,
-               "return_token_ids": True, "n": 1, "unknown_field": {"kept": True}}
+    body_in = {
+        "model": "base",
+        "prompt": list(range(100)),
+        "max_tokens": 4,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "n": 1,
+        "unknown_field": {"kept": True},
+    }
 
     async def body():
         async with running(store, manifest, config(fakes), fakes) as (_, client, _t):
@@ -498,6 +596,7 @@ def test_siblings_share_a_replica_and_bodies_pass_through(tmp_path):
             assert 'brigade_proxy_inflight_requests{replica="http://r0"} 0.0' in metrics
             info = (await client.get("/server_info")).json()["brigade_proxy"]
             assert "sekrit" not in json.dumps(info)
+
     os.environ["BRIGADE_REPLICA_API_KEY"] = "sekrit"
     try:
         run(body())
@@ -514,15 +613,18 @@ def test_streaming_chat_tokenize_and_broadcasts(tmp_path):
 
     async def body():
         async with running(store, manifest, config(fakes), fakes) as (proxy, client, _t):
-            async with client.stream("POST", "/v1/completions",
-                                     json={"model": "base", "prompt": "hi", "stream": True}) as resp:
+            async with client.stream(
+                "POST", "/v1/completions", json={"model": "base", "prompt": "hi", "stream": True}
+            ) as resp:
                 assert resp.status_code == 200
                 assert resp.headers["content-type"].startswith("text/event-stream")
                 text = "".join([c async for c in resp.aiter_text()])
             assert text.count("data:") == 4 and text.endswith("data: [DONE]\n\n")
             assert proxy.router.inflight_all() == {"http://r0": 0, "http://r1": 0}
-            chat = await client.post("/v1/chat/completions", json={"model": "base", "messages": [
-                {"role": "user", "content": "What is 2 + 2?"}]})
+            chat = await client.post(
+                "/v1/chat/completions",
+                json={"model": "base", "messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+            )
             assert chat.status_code == 200
             tok = await client.post("/tokenize", json={"model": "base", "prompt": "ab"})
             assert tok.json()["tokens"] == [97, 98]
@@ -533,6 +635,7 @@ def test_streaming_chat_tokenize_and_broadcasts(tmp_path):
             assert not any(f.paused for f in fakes)
             assert (await client.get("/get_world_size")).json() == {"world_size": 2}
             assert (await client.get("/health/")).status_code == 200
+
     run(body())
     assert ("pause", {"mode": "keep"}) in fakes[0].calls
 
@@ -552,6 +655,7 @@ def test_refused_connection_moves_to_another_replica(tmp_path):
             resp = await client.post("/v1/completions", json={"model": "base", "prompt": [1] * 32})
             assert resp.status_code == 503
             assert proxy.router.inflight_all() == {"http://r0": 0, "http://r1": 0}
+
     run(body())
 
 
@@ -575,10 +679,12 @@ def test_max_inflight_caps_concurrent_requests(tmp_path):
 
     async def body():
         async with running(store, manifest, config([slow], max_inflight=3), [slow]) as (proxy, client, _t):
-            answers = await asyncio.gather(*(client.post("/v1/completions", json={"model": "base", "prompt": [i] * 20})
-                                             for i in range(12)))
+            answers = await asyncio.gather(
+                *(client.post("/v1/completions", json={"model": "base", "prompt": [i] * 20}) for i in range(12))
+            )
             assert all(a.status_code == 200 for a in answers)
             assert proxy.router.inflight_all() == {"http://r0": 0}
+
     run(body())
     assert state["peak"] == 3
 
@@ -596,15 +702,19 @@ def test_health_without_replicas(tmp_path):
             assert resp.status_code == 503
             resp = await client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "adapters/v000001"})
             assert resp.status_code == 409  # checked before looking for replicas
+
     run(body())
 
 
 # -- the real server --------------------------------------------------------------------
 
+
 def test_proxy_main_imports_without_torch():
-    code = ("import sys, proxy.main, proxy.app, proxy.routing; "
-            "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, proxy.main, proxy.app, proxy.routing; "
+        "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -620,11 +730,12 @@ class _Served:
     def __init__(self, app: FastAPI):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
-                                                    access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "_Served":
+    def __enter__(self) -> _Served:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
@@ -647,30 +758,49 @@ def test_served_by_uvicorn_over_real_sockets(tmp_path):
     adapters.publish(store, 1, ADAPTER_FILES)
     f0, f1 = FakeReplica("r0"), FakeReplica("r1")
     with _Served(f0.app) as s0, _Served(f1.app) as s1:
-        cfg = load(overrides={"bucket.url": store.url, "proxy.replica_urls": [s0.url, s1.url],
-                              "proxy.port": _free_port(), "proxy.refresh_s": 0.1})
-        with _Served(build_app(cfg)) as proxy:
-            with httpx.Client(base_url=proxy.url, timeout=30) as client:
-                assert client.get("/health").status_code == 200
-                resp = client.post("/v1/load_lora_adapter", json=load_body(manifest, 1))
-                assert resp.status_code == 200, resp.text
-                with client.stream("POST", "/v1/completions",
-                                   json={"model": manifest.lora_name(1), "prompt": list(range(64)), "stream": True}) as r:
-                    chunks = [c for c in r.iter_text()]
-                assert "".join(chunks).endswith("data: [DONE]\n\n")
-                assert "brigade_proxy_adapter_load_seconds_count 1.0" in client.get("/metrics").text
+        cfg = load(
+            overrides={
+                "bucket.url": store.url,
+                "proxy.replica_urls": [s0.url, s1.url],
+                "proxy.port": _free_port(),
+                "proxy.refresh_s": 0.1,
+            }
+        )
+        with _Served(build_app(cfg)) as proxy, httpx.Client(base_url=proxy.url, timeout=30) as client:
+            assert client.get("/health").status_code == 200
+            resp = client.post("/v1/load_lora_adapter", json=load_body(manifest, 1))
+            assert resp.status_code == 200, resp.text
+            with client.stream(
+                "POST",
+                "/v1/completions",
+                json={"model": manifest.lora_name(1), "prompt": list(range(64)), "stream": True},
+            ) as r:
+                chunks = [c for c in r.iter_text()]
+            assert "".join(chunks).endswith("data: [DONE]\n\n")
+            assert "brigade_proxy_adapter_load_seconds_count 1.0" in client.get("/metrics").text
     local_root = store.local_path("adapters")
     for f in (f0, f1):
         assert f.loaded == {manifest.lora_name(1): f"{local_root}/v000001"}
 
 
 def test_registered_replica_that_does_not_answer_gets_no_traffic(tmp_path):
-    """A registry entry whose server is gone (the transport refuses "ghost"); no real replica can be half-dead on cue."""
+    """A registry entry whose server is gone (the transport refuses "ghost");
+    no real replica can be half-dead on cue."""
     store, manifest = make_store(tmp_path)
     live = FakeReplica("r0")
     for name in ("r0", "ghost"):
-        register(store, ReplicaInfo(replica_id=name, url=f"http://{name}", adapter_root="/a", base_model="base",
-                                    block_size=16, max_loras=6, started_at=1.0))
+        register(
+            store,
+            ReplicaInfo(
+                replica_id=name,
+                url=f"http://{name}",
+                adapter_root="/a",
+                base_model="base",
+                block_size=16,
+                max_loras=6,
+                started_at=1.0,
+            ),
+        )
 
     async def body():
         async with running(store, manifest, ProxyConfig(refresh_s=0.05), [live]) as (proxy, client, _t):
@@ -678,6 +808,7 @@ def test_registered_replica_that_does_not_answer_gets_no_traffic(tmp_path):
             for i in range(4):
                 resp = await client.post("/v1/completions", json={"model": "base", "prompt": [i] * 40})
                 assert resp.json()["served_by"] == "r0"
+
     run(body())
 
 
@@ -688,7 +819,11 @@ def test_lora_path_forms_for_an_object_store_bucket():
     store = Store("s3://my-bucket/run")
     assert version_dir_of(store, "s3://my-bucket/run/adapters/v000007") == "v000007"
     assert version_dir_of(store, "adapters/v000007") == "v000007"
-    for bad in ("s3://my-bucket/other/adapters/v000007", "s3://my-bucket/run/adapters/../adapters/v000007",
-                "/mnt/my-bucket/run/adapters/v000007", "s3://my-bucket/run-2/adapters/v000007"):
+    for bad in (
+        "s3://my-bucket/other/adapters/v000007",
+        "s3://my-bucket/run/adapters/../adapters/v000007",
+        "/mnt/my-bucket/run/adapters/v000007",
+        "s3://my-bucket/run-2/adapters/v000007",
+    ):
         with pytest.raises(BadAdapterPath):
             version_dir_of(store, bad)

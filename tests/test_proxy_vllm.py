@@ -12,15 +12,16 @@ import os
 import random
 import re
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
+from conftest import make_adapter_files
 
 from bucket import adapters, events, layout
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
-from conftest import make_adapter_files
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 
@@ -37,16 +38,19 @@ async def proxied(store: Store, manifest: Any) -> AsyncIterator[tuple[Proxy, htt
                 break
             await asyncio.sleep(0.5)
         assert len(proxy.routable) == 2, proxy.health()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy",
-                                     timeout=300) as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=300
+        ) as client:
             yield proxy, client
 
 
 def prefix_cache(info: ReplicaInfo) -> tuple[float, float]:
     """(hits, queries) in tokens, summed over label sets, from the replica's own /metrics."""
     text = httpx.get(f"{info.url}/metrics", timeout=30).text
+
     def total(metric: str) -> float:
         return sum(float(v) for v in re.findall(rf"^vllm:{metric}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
     return total("prefix_cache_hits"), total("prefix_cache_queries")
 
 
@@ -57,8 +61,16 @@ def fresh_prompt(length: int, prefix: list[int] | None = None) -> list[int]:
 
 
 def completion(model: str, ids: list[int], **kw: Any) -> dict[str, Any]:
-    return {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 1.0, "n": 1, "logprobs": 0,
-            "return_token_ids": True, **kw}
+    return {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": 2,
+        "temperature": 1.0,
+        "n": 1,
+        "logprobs": 0,
+        "return_token_ids": True,
+        **kw,
+    }
 
 
 def test_siblings_land_on_one_replica_and_hit_its_prefix_cache(vllm_replicas):
@@ -70,8 +82,9 @@ def test_siblings_land_on_one_replica_and_hit_its_prefix_cache(vllm_replicas):
     async def body():
         async with proxied(store, manifest) as (proxy, client):
             before = {i.replica_id: prefix_cache(i) for i in infos}
-            answers = await asyncio.gather(*(client.post("/v1/completions", json=completion(manifest.base_model, ids))
-                                             for _ in range(8)))
+            answers = await asyncio.gather(
+                *(client.post("/v1/completions", json=completion(manifest.base_model, ids)) for _ in range(8))
+            )
             assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
             served = {a.headers["x-brigade-replica"] for a in answers}
             assert len(served) == 1, served
@@ -92,8 +105,9 @@ def test_distinct_prompts_spread_over_both_replicas(vllm_replicas):
         async with proxied(store, manifest) as (_, client):
             seen = []
             for _ in range(8):
-                resp = await client.post("/v1/completions",
-                                         json=completion(manifest.base_model, fresh_prompt(40, TEMPLATE)))
+                resp = await client.post(
+                    "/v1/completions", json=completion(manifest.base_model, fresh_prompt(40, TEMPLATE))
+                )
                 assert resp.status_code == 200, resp.text
                 seen.append((resp.headers["x-brigade-replica"], resp.headers["x-brigade-route"]))
             return seen
@@ -116,8 +130,9 @@ def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, 
 
     async def body():
         async with proxied(store, manifest) as (_, client):
-            resp = await client.post("/v1/load_lora_adapter",
-                                     json={"lora_name": name, "lora_path": layout.adapter_key(version)})
+            resp = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": layout.adapter_key(version)}
+            )
             assert resp.status_code == 200, resp.text
             try:
                 for info in infos:

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from conftest import REPO_ROOT, free_port, make_adapter_files, new_s3_bucket, start_replica
 
 from bucket import adapters, layout, replicas
 from bucket.manifest import RunSpec, init_or_check
@@ -20,10 +21,8 @@ from replica.config import ReplicaConfig
 from replica.mirror import AdapterMirror
 from replica.vllm_server import ReplicaError, ServerPlan, VllmServer, lora_rank_cap, plan_server
 
-from conftest import REPO_ROOT, free_port, make_adapter_files, new_s3_bucket, start_replica
-
-
 # -- helpers ------------------------------------------------------------------------------------------
+
 
 def process_cmdlines() -> dict[int, str]:
     out = {}
@@ -58,6 +57,7 @@ def local_bucket_with_run(tmp_path) -> Store:
 
 # -- how vLLM is started (no vLLM needed) ------------------------------------------------------------------
 
+
 def test_cpu_plan_has_the_flags_vllm_cpu_needs(tmp_path):
     store = local_bucket_with_run(tmp_path)
     from bucket.manifest import read_manifest
@@ -82,9 +82,17 @@ def test_cpu_plan_has_the_flags_vllm_cpu_needs(tmp_path):
 
 def test_server_that_never_gets_healthy_times_out_and_its_process_tree_is_gone(tmp_path):
     # A stand-in "server" that starts a child and never listens: the timeout path, without vLLM's minute.
-    script = "import subprocess, time; subprocess.Popen(['sleep', '300']); print('starting...', flush=True); time.sleep(300)"
-    plan = ServerPlan(argv=[sys.executable, "-c", script], env=dict(os.environ), block_size=32, max_loras=2,
-                      cpu=True, base_url=f"http://127.0.0.1:{free_port()}")
+    script = (
+        "import subprocess, time; subprocess.Popen(['sleep', '300']); print('starting...', flush=True); time.sleep(300)"
+    )
+    plan = ServerPlan(
+        argv=[sys.executable, "-c", script],
+        env=dict(os.environ),
+        block_size=32,
+        max_loras=2,
+        cpu=True,
+        base_url=f"http://127.0.0.1:{free_port()}",
+    )
     server = VllmServer(plan, str(tmp_path / "vllm.log"))
     server.start()
     try:
@@ -110,16 +118,30 @@ def _group_members(pgid: int) -> set[int]:
 
 # -- start-up errors of `brigade replica` ---------------------------------------------------------------
 
+
 def run_replica_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infra.cli", "replica", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", "replica", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_missing_run_json_fails_fast_with_a_clear_error(tmp_path, model_dir):
     (tmp_path / "bucket").mkdir()
     started = time.monotonic()
-    out = run_replica_cli("--bucket", str(tmp_path / "bucket"), "--bucket.manifest-wait-s", "1",
-                          "--replica.model-path", model_dir, "--replica.port", str(free_port()))
+    out = run_replica_cli(
+        "--bucket",
+        str(tmp_path / "bucket"),
+        "--bucket.manifest-wait-s",
+        "1",
+        "--replica.model-path",
+        model_dir,
+        "--replica.port",
+        str(free_port()),
+    )
     assert out.returncode == 2
     assert "run.json is missing" in out.stderr and "Traceback" not in out.stderr
     assert time.monotonic() - started < 60
@@ -127,8 +149,9 @@ def test_missing_run_json_fails_fast_with_a_clear_error(tmp_path, model_dir):
 
 def test_missing_model_folder_names_prepare_model(tmp_path):
     store = local_bucket_with_run(tmp_path)
-    out = run_replica_cli("--bucket", store.url, "--replica.model-path", str(tmp_path / "no-model"),
-                          "--replica.port", str(free_port()))
+    out = run_replica_cli(
+        "--bucket", store.url, "--replica.model-path", str(tmp_path / "no-model"), "--replica.port", str(free_port())
+    )
     assert out.returncode == 2
     assert "brigade prepare-model" in out.stderr and "Traceback" not in out.stderr
 
@@ -139,8 +162,9 @@ def test_port_in_use_is_refused_before_starting_vllm(tmp_path, model_dir):
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        out = run_replica_cli("--bucket", store.url, "--replica.model-path", model_dir,
-                              "--replica.port", str(listener.getsockname()[1]))
+        out = run_replica_cli(
+            "--bucket", store.url, "--replica.model-path", model_dir, "--replica.port", str(listener.getsockname()[1])
+        )
     assert out.returncode == 2
     assert "cannot listen on" in out.stderr and "Traceback" not in out.stderr
     assert replicas.list_replicas(store) == []
@@ -152,9 +176,20 @@ def test_broken_model_fails_with_vllms_own_words_and_leaves_no_process(tmp_path)
     broken.mkdir()
     (broken / "config.json").write_text("{ this is not json")
     port = free_port()
-    out = run_replica_cli("--bucket", store.url, "--replica.model-path", str(broken), "--replica.port", str(port),
-                          "--replica.cpu-threads", "0", "--replica.startup-timeout-s", "180",
-                          "--replica.log-dir", str(tmp_path / "logs"))
+    out = run_replica_cli(
+        "--bucket",
+        store.url,
+        "--replica.model-path",
+        str(broken),
+        "--replica.port",
+        str(port),
+        "--replica.cpu-threads",
+        "0",
+        "--replica.startup-timeout-s",
+        "180",
+        "--replica.log-dir",
+        str(tmp_path / "logs"),
+    )
     assert out.returncode == 2, out.stderr
     assert "brigade replica: error: vLLM exited with code" in out.stderr
     assert "Last lines of" in out.stderr and str(tmp_path / "logs") in out.stderr
@@ -190,6 +225,7 @@ def test_sigterm_deregisters_and_stops_vllm(tmp_path, model_dir):
 
 # -- the session's two real replicas --------------------------------------------------------------------
 
+
 def test_replicas_register_and_heartbeat(vllm_replicas):
     store, infos, manifest = vllm_replicas
     assert [r.replica_id for r in infos] == ["test-replica-0", "test-replica-1"]
@@ -205,15 +241,26 @@ def test_replicas_register_and_heartbeat(vllm_replicas):
 
 
 def _tokenize(url: str, model: str, text: str) -> list[int]:
-    resp = httpx.post(f"{url}/tokenize", json={"model": model, "messages": [{"role": "user", "content": text}],
-                                               "add_generation_prompt": True}, timeout=30)
+    resp = httpx.post(
+        f"{url}/tokenize",
+        json={"model": model, "messages": [{"role": "user", "content": text}], "add_generation_prompt": True},
+        timeout=30,
+    )
     resp.raise_for_status()
     return resp.json()["tokens"]
 
 
 def _complete(url: str, model: str, ids: list[int], **kw) -> httpx.Response:
-    body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
-            "return_token_ids": True, "n": 1, **kw}
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "n": 1,
+        **kw,
+    }
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
@@ -245,8 +292,11 @@ def test_published_adapter_loads_from_adapter_root_and_changes_generation(vllm_r
     try:
         again = httpx.post(f"{replica.url}/v1/load_lora_adapter", json=load, timeout=60)
         assert again.status_code == 400 and "already been loaded" in again.text
-        missing = httpx.post(f"{replica.url}/v1/load_lora_adapter", timeout=60,
-                             json={"lora_name": name + "-x", "lora_path": f"{replica.adapter_root}/v999999"})
+        missing = httpx.post(
+            f"{replica.url}/v1/load_lora_adapter",
+            timeout=60,
+            json={"lora_name": name + "-x", "lora_path": f"{replica.adapter_root}/v999999"},
+        )
         assert missing.status_code == 404 and "No adapter found" in missing.text
         models = httpx.get(f"{replica.url}/v1/models", timeout=30).json()["data"]
         assert {"id": name, "parent": manifest.base_model} in [{"id": m["id"], "parent": m["parent"]} for m in models]
@@ -266,6 +316,7 @@ def test_published_adapter_loads_from_adapter_root_and_changes_generation(vllm_r
 
 # -- the adapter mirror on a real S3 API (no vLLM) -------------------------------------------------------
 
+
 @pytest.fixture
 def s3_store(s3_endpoint) -> Store:
     store = Store(new_s3_bucket(s3_endpoint))
@@ -274,8 +325,10 @@ def s3_store(s3_endpoint) -> Store:
 
 
 def fake_adapter(version: int) -> dict[str, bytes]:
-    return {"adapter_model.safetensors": os.urandom(200_000) + bytes([version]),
-            "adapter_config.json": b'{"r": 1, "version": %d}' % version}
+    return {
+        "adapter_model.safetensors": os.urandom(200_000) + bytes([version]),
+        "adapter_config.json": b'{"r": 1, "version": %d}' % version,
+    }
 
 
 def test_mirror_copies_committed_versions_verified(s3_store, tmp_path):

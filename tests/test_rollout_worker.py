@@ -11,28 +11,50 @@ import subprocess
 import sys
 import time
 
-from bucket.rollouts import read_new_shards
 from conftest import REPO_ROOT, free_port, stop, wait_http
+
+from bucket.rollouts import read_new_shards
 
 
 def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
     store, _, manifest = vllm_replicas
     port = free_port()
     common = ["--bucket", store.url, "--bucket.manifest-wait-s", "5"]
-    proxy = subprocess.Popen([sys.executable, "-m", "infra.cli", "proxy", *common, "--proxy.port", str(port),
-                              "--proxy.refresh-s", "0.5"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", "proxy", *common, "--proxy.port", str(port), "--proxy.refresh-s", "0.5"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     worker_log = tmp_path / "rollout.log"
     worker = None
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 60, proxy)
         with open(worker_log, "wb") as out:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "infra.cli", "rollout", *common, "--rollout.proxy-url",
-                 f"http://127.0.0.1:{port}", "--rollout.worker-id", "w-sigterm", "--rollout.groups-per-shard", "3",
-                 "--rollout.max-unconsumed-groups", "0", "--rollout.max-inflight-groups", "2",
-                 "--rollout.max-completion-length", "6"],
-                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "infra.cli",
+                    "rollout",
+                    *common,
+                    "--rollout.proxy-url",
+                    f"http://127.0.0.1:{port}",
+                    "--rollout.worker-id",
+                    "w-sigterm",
+                    "--rollout.groups-per-shard",
+                    "3",
+                    "--rollout.max-unconsumed-groups",
+                    "0",
+                    "--rollout.max-inflight-groups",
+                    "2",
+                    "--rollout.max-completion-length",
+                    "6",
+                ],
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 240
         while not [r for r, _ in read_new_shards(store, {}) if r.writer == "w-sigterm"]:
             assert worker.poll() is None, worker_log.read_text()[-3000:]

@@ -37,17 +37,28 @@ def _group(model, rng: random.Random, version: int) -> ScoredGroup:
         ids = torch.tensor([prompt + comp])
         with torch.no_grad():
             lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-        samples.append(Sample(completion_ids=comp, logprobs=lp[len(prompt) - 1:].tolist(), text=str(k),
-                              reward=float(k % 2)))
-    return ScoredGroup(prompt_id=f"p{rng.random()}", prompt="x", prompt_ids=prompt, adapter_version=version,
-                       samples=samples)
+        samples.append(
+            Sample(completion_ids=comp, logprobs=lp[len(prompt) - 1 :].tolist(), text=str(k), reward=float(k % 2))
+        )
+    return ScoredGroup(
+        prompt_id=f"p{rng.random()}", prompt="x", prompt_ids=prompt, adapter_version=version, samples=samples
+    )
 
 
 def _config(bucket: str, model_dir: str, **trainer):
-    return load(overrides={"bucket.url": bucket, "run.num_generations": G, "run.max_staleness": 2,
-                           "trainer.model_path": model_dir, "trainer.groups_per_step": 2,
-                           "trainer.weight_sync_steps": 1, "trainer.rollout_wait_s": 5, "trainer.torch_threads": 1,
-                           **{f"trainer.{k}": v for k, v in trainer.items()}})
+    return load(
+        overrides={
+            "bucket.url": bucket,
+            "run.num_generations": G,
+            "run.max_staleness": 2,
+            "trainer.model_path": model_dir,
+            "trainer.groups_per_step": 2,
+            "trainer.weight_sync_steps": 1,
+            "trainer.rollout_wait_s": 5,
+            "trainer.torch_threads": 1,
+            **{f"trainer.{k}": v for k, v in trainer.items()},
+        }
+    )
 
 
 def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_model):
@@ -70,6 +81,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     assert first_state.step == 2 and first_state.cursors == {"w0": 1} and first_state.pending == []
     # the adapter moved away from zero
     from safetensors.torch import load as load_st
+
     w = load_st(adapters.read_verified(store, 3)["adapter_model.safetensors"])
     assert any(t.abs().sum() > 0 for k, t in w.items() if "lora_B" in k)
 

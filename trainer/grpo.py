@@ -25,14 +25,15 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 @dataclass
 class StepStats:
     loss: float = 0.0
-    ratio: float = 0.0           # mean exp(logp_trainer - logp_vllm) over completion tokens
-    clip_ratio: float = 0.0      # fraction of tokens whose ratio was clipped
-    kl: float = 0.0              # mean (ratio - 1) - log(ratio): k3 estimate of KL(vllm || trainer)
+    ratio: float = 0.0  # mean exp(logp_trainer - logp_vllm) over completion tokens
+    clip_ratio: float = 0.0  # fraction of tokens whose ratio was clipped
+    kl: float = 0.0  # mean (ratio - 1) - log(ratio): k3 estimate of KL(vllm || trainer)
     tokens: int = 0
 
 
-def group_logprobs(model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]],
-                   temperature: float, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_logprobs(
+    model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p of every completion token, [G, C], and the mask of real (unpadded) tokens.
 
     Every completion of a group continues the same prompt, so the prompt goes
@@ -66,12 +67,20 @@ def group_logprobs(model: torch.nn.Module, prompt_ids: list[int], completions: l
     return torch.log_softmax(logits, dim=-1).gather(-1, comp[:, :, None]).squeeze(-1), mask
 
 
-def accumulate_group_loss(model: torch.nn.Module, group: ScoredGroup, total_tokens: int, epsilon: float,
-                          temperature: float, pad_id: int, stats: StepStats) -> None:
+def accumulate_group_loss(
+    model: torch.nn.Module,
+    group: ScoredGroup,
+    total_tokens: int,
+    epsilon: float,
+    temperature: float,
+    pad_id: int,
+    stats: StepStats,
+) -> None:
     """Backward the group's share of the token-mean loss over the whole step (one group at a time keeps memory flat)."""
     # an empty completion (immediate EOS is still one token, so this is only defensive) gets a masked-out pad
-    logp, comp = group_logprobs(model, group.prompt_ids, [s.completion_ids or [pad_id] for s in group.samples],
-                                temperature, pad_id)
+    logp, comp = group_logprobs(
+        model, group.prompt_ids, [s.completion_ids or [pad_id] for s in group.samples], temperature, pad_id
+    )
     old = torch.zeros_like(logp)
     for i, s in enumerate(group.samples):
         n = len(s.completion_ids)

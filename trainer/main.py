@@ -16,9 +16,9 @@ import tempfile
 import time
 
 from bucket import adapters, checkpoints, events, layout
+from bucket import log as bucket_log
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, init_or_check
-from bucket import log as bucket_log
 from bucket.rollouts import ScoredGroup, parse_shard
 from bucket.store import Store
 from infra.config import Config, ConfigError
@@ -45,8 +45,12 @@ def build_model(config: Config, manifest: RunManifest):
     dtype = getattr(torch, config.trainer.dtype)
     base = AutoModelForCausalLM.from_pretrained(config.trainer.model_path, torch_dtype=dtype)
     lora = LoraConfig(
-        r=manifest.lora_rank, lora_alpha=manifest.lora_alpha, target_modules=manifest.lora_target_modules,
-        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+        r=manifest.lora_rank,
+        lora_alpha=manifest.lora_alpha,
+        target_modules=manifest.lora_target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, lora)
     # Trainable (LoRA) parameters in float32 even when the base runs in bf16: rank-1 updates are tiny.
@@ -81,7 +85,7 @@ def load_optimizer(optimizer, data: bytes) -> None:
     from safetensors.torch import load
 
     # safetensors = 8-byte little-endian header length, then a JSON header holding our metadata
-    header = json.loads(data[8: 8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     groups = json.loads(header["__metadata__"]["param_groups"])
     state: dict[int, dict] = collections.defaultdict(dict)
     for key, value in load(data).items():
@@ -178,25 +182,43 @@ def run(config: Config) -> int:
         nonlocal version, trained
         parent = version or None
         version = adapters.next_version(store)  # never reuse a name, even one a crashed trainer left half-written
-        marker = adapters.publish(store, version, adapter_files(model),
-                                  meta={"step": step, "lora_name": manifest.lora_name(version)})
+        marker = adapters.publish(
+            store, version, adapter_files(model), meta={"step": step, "lora_name": manifest.lora_name(version)}
+        )
         totals["groups"] += len(trained)
         totals["dropped"] += len(buffer.dropped)
-        checkpoints.save(store, checkpoints.TrainerState(
-            version=version, step=step, cursors=buffer.cursors, trained=trained, dropped_stale=buffer.dropped,
-            invalid=buffer.invalid, pending=[gid for gid, _ in buffer.queue], groups_trained=totals["groups"],
-            groups_dropped_stale=totals["dropped"], parent=parent,
-        ), {OPTIMIZER_FILE: optimizer_bytes(optimizer)})
-        ev.emit(events.PUBLISHED, version=version, lora_name=manifest.lora_name(version), step=step,
-                committed_at=marker["committed_at"])
+        checkpoints.save(
+            store,
+            checkpoints.TrainerState(
+                version=version,
+                step=step,
+                cursors=buffer.cursors,
+                trained=trained,
+                dropped_stale=buffer.dropped,
+                invalid=buffer.invalid,
+                pending=[gid for gid, _ in buffer.queue],
+                groups_trained=totals["groups"],
+                groups_dropped_stale=totals["dropped"],
+                parent=parent,
+            ),
+            {OPTIMIZER_FILE: optimizer_bytes(optimizer)},
+        )
+        ev.emit(
+            events.PUBLISHED,
+            version=version,
+            lora_name=manifest.lora_name(version),
+            step=step,
+            committed_at=marker["committed_at"],
+        )
         log.info("published adapter %s (%s) at step %d", layout.version_dir(version), manifest.lora_name(version), step)
         trained, buffer.dropped, buffer.invalid = [], [], []
 
     def write_progress() -> None:
         # What rollout workers pace themselves by: written whenever the cursors move, even when no
         # step can run yet (e.g. everything read was stale), so a paused worker always resumes.
-        store.put_json(layout.TRAINER_PROGRESS, {"step": step, "version": version, "cursors": buffer.cursors,
-                                                 "ts": time.time()})
+        store.put_json(
+            layout.TRAINER_PROGRESS, {"step": step, "version": version, "cursors": buffer.cursors, "ts": time.time()}
+        )
 
     if step < tc.max_steps:
         store.delete(layout.TRAINER_DONE)  # resuming a finished run with a larger max_steps
@@ -235,8 +257,9 @@ def run(config: Config) -> int:
         stats = StepStats()
         optimizer.zero_grad(set_to_none=True)
         for g in groups:
-            accumulate_group_loss(model, g, total_tokens, tc.epsilon, float(g.extra.get("temperature", 1.0)),
-                                  pad_id, stats)
+            accumulate_group_loss(
+                model, g, total_tokens, tc.epsilon, float(g.extra.get("temperature", 1.0)), pad_id, stats
+            )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm).item()
         optimizer.step()
         step += 1
@@ -245,18 +268,31 @@ def run(config: Config) -> int:
         rewards = [s.reward for g in groups for s in g.samples]
         step_s = time.monotonic() - t0
         metrics = {
-            "step": step, "version": version, "loss": stats.loss, "ratio": stats.ratio, "kl": stats.kl,
-            "clip_ratio": stats.clip_ratio, "grad_norm": grad_norm,
+            "step": step,
+            "version": version,
+            "loss": stats.loss,
+            "ratio": stats.ratio,
+            "kl": stats.kl,
+            "clip_ratio": stats.clip_ratio,
+            "grad_norm": grad_norm,
             "reward": sum(rewards) / len(rewards),
             "reward_std": float(torch.tensor(rewards).std(unbiased=False)),
             "sample/staleness_mean": sum(version - g.adapter_version for g in groups) / len(groups),
-            "perf/step_s": step_s, "samples": len(rewards),
+            "perf/step_s": step_s,
+            "samples": len(rewards),
             "perf/samples_per_s": len(rewards) / step_s if step_s > 0 else 0.0,
         }
         ev.emit(events.TRAIN_STEP, **metrics)
-        log.info("step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  %.2fs",
-                 step, metrics["reward"], stats.ratio, stats.clip_ratio, stats.loss,
-                 metrics["sample/staleness_mean"], step_s)
+        log.info(
+            "step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  %.2fs",
+            step,
+            metrics["reward"],
+            stats.ratio,
+            stats.clip_ratio,
+            stats.loss,
+            metrics["sample/staleness_mean"],
+            step_s,
+        )
         if step % tc.weight_sync_steps == 0 or step == tc.max_steps:
             publish()
 
