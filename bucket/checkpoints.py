@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from bucket import layout
+from bucket.rollouts import GroupId
 from bucket.store import NotFound, Store
 
 STATE = "state.json"
@@ -33,6 +34,13 @@ class TrainerState(BaseModel):
     groups_dropped_stale: int = 0
     parent: int | None = None
     created_at: float = Field(default_factory=time.time)
+
+    @field_validator("trained", "dropped_stale", "pending")
+    @classmethod
+    def _group_ids(cls, ids: list[str]) -> list[str]:
+        for gid in ids:
+            GroupId.parse(gid)  # raises with the offending id
+        return ids
 
 
 def save(store: Store, state: TrainerState, files: dict[str, bytes]) -> None:

@@ -18,7 +18,11 @@ from pydantic import BaseModel, Field
 from bucket import layout
 from bucket.store import BucketError, NotFound, Store
 
-FORMAT_VERSION = 1
+# The format of everything in the bucket (shards, progress, checkpoints, events). Raised whenever a
+# reader of an older brigade would misread what a newer one writes.
+#   1: first release
+#   2: shards carry typed sampling parameters; typed trainer progress and done marker
+FORMAT_VERSION = 2
 
 
 class RunSpec(BaseModel):
@@ -65,6 +69,10 @@ class ManifestMismatch(BucketError):
     pass
 
 
+class UnknownFormat(BucketError):
+    pass
+
+
 def read_manifest(store: Store) -> RunManifest:
     try:
         data = store.get_json(layout.RUN_MANIFEST)
@@ -73,6 +81,14 @@ def read_manifest(store: Store) -> RunManifest:
             f"{store.url}/{layout.RUN_MANIFEST} is missing: this bucket holds no run yet. Start the trainer "
             "(it writes run.json) or run `brigade init --bucket ...` first, or check --bucket."
         ) from exc
+    found = data.get("format_version") if isinstance(data, dict) else None
+    if found != FORMAT_VERSION:
+        # Checked before anything else: a format we do not know may hold fields we would misread.
+        raise UnknownFormat(
+            f"{store.url}/{layout.RUN_MANIFEST} says the bucket's format is {found!r}; this brigade reads and writes "
+            f"format {FORMAT_VERSION} only. Run the brigade version that wrote this run, or start a new run in a "
+            "new bucket."
+        )
     try:
         return RunManifest(**data)
     except Exception as exc:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Proxy and rollout worker in one container; if either exits, the container exits.
 set -euo pipefail
-brigade proxy "$@" &
+python -m proxy "$@" &
 proxy=$!
-brigade rollout "$@" &
+python -m rollout_worker "$@" &
 worker=$!
 wait -n "$proxy" "$worker"
 kill "$proxy" "$worker" 2>/dev/null || true

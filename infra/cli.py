@@ -1,45 +1,36 @@
-"""`brigade`: one console script, a subcommand per job.
+"""`brigade`: one console script, a subcommand per job or tool.
 
-Heavy imports (torch, vLLM, FastAPI) happen inside the subcommand that needs
-them, so `brigade proxy` and `brigade rollout` start on machines without torch.
+The four jobs have their own entry points (`python -m trainer`, ...), which
+`brigade trainer` etc. dispatch to unchanged, so a job behaves the same
+whether an image runs it bare or through this CLI. Heavy imports (torch,
+vLLM, FastAPI) happen inside the command that needs them, so `brigade proxy`
+and `brigade rollout` start on machines without torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
+from bucket.settings import ConfigError, setup_logging
 from bucket.store import BucketError
-from infra.config import ConfigError, add_flags, load
+from infra.config import add_flags, load
+
+# name -> entry module with main(argv, prog)
+JOBS: dict[str, str] = {
+    "trainer": "trainer.__main__",
+    "rollout": "rollout_worker.__main__",
+    "proxy": "proxy.__main__",
+    "replica": "replica.__main__",
+}
 
 # name -> (module with run(config), tables that configure it, one-line help)
-COMMANDS: dict[str, tuple[str, list[str], str]] = {
+TOOLS: dict[str, tuple[str, list[str], str]] = {
     "local": (
         "infra.local",
         ["run", "bucket", "trainer", "rollout", "proxy", "replica", "local"],
         "Run everything on this machine: replicas, proxy, rollout worker and trainer, against a local-folder bucket.",
-    ),
-    "trainer": (
-        "trainer.main",
-        ["run", "bucket", "trainer"],
-        "Train the LoRA from rollout shards in the bucket; publish a new adapter version every N steps.",
-    ),
-    "rollout": (
-        "rollout_worker.main",
-        ["run", "bucket", "rollout"],
-        "Generate through the proxy with the newest adapter, score, and write rollout shards to the bucket.",
-    ),
-    "proxy": (
-        "proxy.main",
-        ["run", "bucket", "proxy"],
-        "OpenAI-compatible endpoint in front of the replicas: prefix-aware routing, all-or-nothing adapter loads.",
-    ),
-    "replica": (
-        "replica.main",
-        ["run", "bucket", "replica"],
-        "Start a vLLM server with runtime LoRA loading, register it in the bucket and heartbeat.",
     ),
     "init": (
         "infra.init_run",
@@ -59,8 +50,8 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
 }
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+def _job_description(name: str) -> str:
+    return importlib.import_module(JOBS[name]).DESCRIPTION
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (_, sections, help_text) in COMMANDS.items():
+    for name in JOBS:
+        # Listed for --help only: main() hands a job command to the job's own entry point.
+        sub.add_parser(name, help=_job_description(name), add_help=False)
+    for name, (_, sections, help_text) in TOOLS.items():
         p = sub.add_parser(
             name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
@@ -79,17 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_job(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(job, its argv) when the command is a job; a global --log-level is passed on to it."""
+    head: list[str] = []
+    rest = list(argv)
+    if len(rest) >= 2 and rest[0] == "--log-level":
+        head, rest = ["--log-level", rest[1]], rest[2:]
+    if rest and rest[0] in JOBS:
+        return rest[0], rest[1:] + head
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    job = _split_job(argv)
+    if job is not None:
+        name, job_argv = job
+        return int(importlib.import_module(JOBS[name]).main(job_argv, prog=f"brigade {name}"))
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=(args.log_level or "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # httpx logs every request at INFO; generation traffic would bury each job's own log.
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    module_name, sections, _ = COMMANDS[args.command]
+    setup_logging(args.log_level or "INFO")
+    module_name, sections, _ = TOOLS[args.command]
     try:
         config = load(args, sections)
         module = importlib.import_module(module_name)

@@ -1,42 +1,27 @@
-"""A run config: one TOML file with a table per job, plus command-line overrides.
+"""The whole run config, every job's table at once: what `brigade local` and `brigade init` read.
 
-    [run]      settings every job must agree on (become run.json)
-    [bucket]   where the bucket is
-    [trainer] [rollout] [proxy] [replica] [local]   one table per job
-
-Every field is also a flag, `--<table>.<field>` (dashes or underscores), whose
---help text is the field's description. Values are validated at start, with
-errors that name the table, the field and what is allowed.
+Each job reads only its own tables through its own entry point (see
+bucket/settings.py, where the file format and flag rules live); this module
+composes all of them for the commands that need every table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import tomllib
-import typing
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from bucket.manifest import RunSpec
+from bucket.settings import BucketConfig, ConfigError, config_model, to_toml
+from bucket.settings import add_flags as add_table_flags
+from bucket.settings import load as load_tables
 from proxy.config import ProxyConfig
 from replica.config import ReplicaConfig
 from rollout_worker.config import RolloutConfig
 from trainer.config import TrainerConfig
 
-
-class BucketConfig(BaseModel):
-    model_config = {"extra": "forbid"}
-
-    url: str = Field(
-        "",
-        description="Bucket: a local folder, s3://bucket/prefix, gs://..., or a mounted path. "
-        "Required, except for `brigade local` (defaults to a new folder under ./runs).",
-    )
-    manifest_wait_s: float = Field(
-        120.0, ge=0, description="Jobs other than the trainer wait this long for run.json to appear."
-    )
+__all__ = ["Config", "ConfigError", "LocalConfig", "add_flags", "load", "to_toml", "TABLES"]
 
 
 class LocalConfig(BaseModel):
@@ -51,7 +36,20 @@ class LocalConfig(BaseModel):
     runs_dir: str = Field("runs", description="Where a new run's bucket and logs go when --bucket.url is not given.")
 
 
+TABLES: dict[str, type[BaseModel]] = {  # the order of --help and of a written run.toml
+    "run": RunSpec,
+    "bucket": BucketConfig,
+    "trainer": TrainerConfig,
+    "rollout": RolloutConfig,
+    "proxy": ProxyConfig,
+    "replica": ReplicaConfig,
+    "local": LocalConfig,
+}
+
+
 class Config(BaseModel):
+    """Every table of a run config."""
+
     model_config = {"extra": "forbid"}
 
     run: RunSpec = Field(default_factory=RunSpec)
@@ -63,38 +61,13 @@ class Config(BaseModel):
     local: LocalConfig = Field(default_factory=LocalConfig)
 
 
-class ConfigError(ValueError):
-    pass
-
-
-def _is_list(annotation: Any) -> bool:
-    return typing.get_origin(annotation) is list
+def _model(sections: list[str] | None) -> type[BaseModel]:
+    return Config if sections is None else config_model("Config", {s: TABLES[s] for s in sections})
 
 
 def add_flags(parser: argparse.ArgumentParser, sections: list[str]) -> None:
-    """One flag per field of the given tables; values stay strings until validation."""
-    parser.add_argument("--config", metavar="FILE", help="TOML run config; flags override it.")
-    parser.add_argument("--bucket", metavar="URL", help="Shortcut for --bucket.url.")
-    for section in sections:
-        model = Config.model_fields[section].annotation
-        group = parser.add_argument_group(f"[{section}]")
-        for name, field in model.model_fields.items():
-            default = field.get_default(call_default_factory=True)
-            hint = "comma-separated" if _is_list(field.annotation) else type(default).__name__
-            group.add_argument(
-                f"--{section}.{name.replace('_', '-')}",
-                f"--{section}.{name}",
-                dest=f"{section}.{name}",
-                metavar=hint.upper(),
-                default=None,
-                help=f"{field.description} (default: {json.dumps(default)})",
-            )
-
-
-def _coerce(value: str, annotation: Any) -> Any:
-    if _is_list(annotation):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return value
+    """One flag per field of the given tables."""
+    add_table_flags(parser, _model(sections))
 
 
 def load(
@@ -103,50 +76,8 @@ def load(
     path: str | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Config:
-    """Merge defaults < TOML file < flags < overrides, then validate."""
-    data: dict[str, Any] = {}
-    path = path or (getattr(args, "config", None) if args else None)
-    if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        unknown = set(data) - set(Config.model_fields)
-        if unknown:
-            raise ConfigError(
-                f"config file {path} has unknown tables {sorted(unknown)}; known: {sorted(Config.model_fields)}"
-            )
-    if args is not None:
-        for section in sections or []:
-            model = Config.model_fields[section].annotation
-            for name, field in model.model_fields.items():
-                value = getattr(args, f"{section}.{name}", None)
-                if value is not None:
-                    data.setdefault(section, {})[name] = _coerce(value, field.annotation)
-        if getattr(args, "bucket", None):
-            data.setdefault("bucket", {})["url"] = args.bucket
-    for dotted, value in (overrides or {}).items():
-        section, name = dotted.split(".", 1)
-        data.setdefault(section, {})[name] = value
-    try:
-        return Config(**data)
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("invalid settings:\n" + "\n".join(lines)) from None
+    """Merge defaults < TOML file < flags < overrides, then validate every table.
 
-
-def to_toml(config: Config) -> str:
-    """The full config as TOML (written next to a local run's logs, so the run can be reproduced)."""
-    out = []
-    for section, model in config:
-        out.append(f"[{section}]")
-        for name, value in model.model_dump().items():
-            out.append(f"{name} = {json.dumps(value)}")
-        out.append("")
-    return "\n".join(out)
+    `sections` is accepted for symmetry with `add_flags`: flags that were not added are simply absent.
+    """
+    return load_tables(Config, args, path, overrides)

@@ -1,8 +1,9 @@
 """`brigade local`: the whole system on one machine, against a local-folder bucket.
 
-Each job runs as its own process with exactly the command a real deployment
-would use (`brigade replica`, `brigade proxy`, `brigade rollout`, `brigade
-trainer`), so the jobs still coordinate only through the bucket and HTTP.
+Each job runs as its own process through its own entry point, exactly as a
+real deployment runs it (`python -m replica`, `-m proxy`, `-m rollout_worker`,
+`-m trainer`, each given the run's full config.toml and reading its own
+tables), so the jobs still coordinate only through the bucket and HTTP.
 Logs go to <run dir>/logs/<job>.log; progress is read back from the bucket.
 """
 
@@ -15,12 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 
-from bucket import events, layout, replicas
-from bucket import log as bucket_log
+from bucket import appendlog, events, layout, replicas
 from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError, to_toml
@@ -46,6 +48,9 @@ class Job:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exited(self) -> bool:
+        return not self.running()
 
     def stop(self, timeout_s: float = 30) -> None:
         if not self.running():
@@ -83,7 +88,7 @@ def _ensure_model(config: Config) -> None:
     paths = {config.trainer.model_path, config.replica.model_path}
     for path in paths:
         if not os.path.isfile(os.path.join(path, "config.json")):
-            from infra.paths import default_model_dir
+            from bucket.settings import default_model_dir
 
             if os.path.abspath(path) != os.path.abspath(default_model_dir()):
                 raise ConfigError(
@@ -103,7 +108,7 @@ class Progress:
         self.store, self.cursors = store, {}
 
     def poll(self) -> None:
-        new = bucket_log.read_after(self.store, layout.EVENTS, self.cursors)
+        new = appendlog.read_after(self.store, layout.EVENTS, self.cursors)
         for rec in new:
             self.cursors[rec.writer] = rec.seq
         for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
@@ -124,138 +129,161 @@ class Progress:
                 print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
 
-def run(config: Config) -> int:
-    lc = config.local
+def _open_local_bucket(config: Config) -> Store:
+    """The run's bucket, a new folder under `runs_dir` unless --bucket names one; it must be a local path."""
     if not config.bucket.url:
-        run_dir = os.path.abspath(os.path.join(lc.runs_dir, time.strftime("local-%Y%m%d-%H%M%S")))
+        run_dir = os.path.abspath(os.path.join(config.local.runs_dir, time.strftime("local-%Y%m%d-%H%M%S")))
         config.bucket.url = os.path.join(run_dir, "bucket")
     store = Store(config.bucket.url)
     if not store.is_local:
         raise ConfigError("`brigade local` runs against a local-folder bucket; for s3:// run the jobs one by one")
+    return store
+
+
+def _write_config(config: Config, run_dir: str) -> str:
+    """The full config as TOML, which every job reads (each takes its own tables): one file reproduces the run."""
+    path = os.path.join(run_dir, "config.toml")
+    with open(path, "w") as f:
+        f.write(to_toml(config))
+    return path
+
+
+def _job(module: str, name: str, cfg_path: str, logs: str, *flags: str) -> Job:
+    """A job launched through its own entry point, exactly as a deployment runs it."""
+    argv = [sys.executable, "-m", module, "--config", cfg_path, *flags]
+    return Job(name, argv, os.path.join(logs, f"{name}.log"))
+
+
+def _replica_job(config: Config, i: int, cfg_path: str, logs: str) -> Job:
+    name = f"replica-{i}"
+    # Unless cpu_threads is set, replica i gets core i: the replicas do not fight over the same core.
+    cpu_threads = config.replica.cpu_threads or str(i % (os.cpu_count() or 1))
+    flags = ["--replica.port", str(config.local.base_port + i), "--replica.replica-id", name]
+    flags += ["--replica.log-dir", logs, "--replica.cpu-threads", cpu_threads]
+    return _job("replica", name, cfg_path, logs, *flags)
+
+
+def _replicas_registered(store: Store, ids: set[str], since: float) -> bool:
+    # Only this run's registrations: a reused bucket may hold stale ones from an earlier run.
+    fresh = {r.replica_id for r in replicas.list_replicas(store) if r.started_at >= since - 5}
+    return ids <= fresh
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    # `kill` of brigade local must still stop every job it started: handled like Ctrl-C.
+    raise KeyboardInterrupt
+
+
+class LocalRun:
+    """Every job of one run on this machine, started in dependency order and watched until the trainer ends."""
+
+    def __init__(self, config: Config, store: Store, cfg_path: str, logs: str):
+        self.config, self.store = config, store
+        self.replicas = [_replica_job(config, i, cfg_path, logs) for i in range(config.local.num_replicas)]
+        self.proxy = _job("proxy", "proxy", cfg_path, logs)
+        self.rollout = _job("rollout_worker", "rollout", cfg_path, logs)
+        torch_threads = str(config.trainer.torch_threads or config.local.trainer_threads)
+        self.trainer = _job("trainer", "trainer", cfg_path, logs, "--trainer.torch-threads", torch_threads)
+        self.jobs = self.replicas + [self.proxy, self.rollout, self.trainer]
+        self.started = time.monotonic()
+        self.deadline = self.started + config.local.max_wall_s
+        self.progress = Progress(store)
+        self.replica_startup_s = 0.0
+
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Wait for `ready`, failing as soon as any job fails, or at the run's deadline."""
+        limit = min(self.deadline, time.monotonic() + timeout_s)
+        while not ready():
+            _check(self.jobs)
+            if time.monotonic() > limit:
+                raise JobFailed(f"timed out waiting for {what}")
+            time.sleep(0.5)
+
+    def start_replicas(self) -> None:
+        n = len(self.replicas)
+        for job in self.replicas:
+            job.start()
+        print(f"starting {n} vLLM replicas (about a minute on CPU) ...", flush=True)
+        registered = partial(_replicas_registered, self.store, {job.name for job in self.replicas}, time.time())
+        timeout_s = self.config.replica.startup_timeout_s + 30
+        self.wait_until("the replicas to register in the bucket", registered, timeout_s)
+        self.replica_startup_s = time.monotonic() - self.started
+        print(f"  {n} replicas up after {self.replica_startup_s:.0f}s", flush=True)
+
+    def start_proxy(self) -> None:
+        self.proxy.start()
+        health = f"http://{self.config.proxy.host}:{self.config.proxy.port}/health"
+        self.wait_until("the proxy", partial(_http_ok, health), 60)
+
+    def train(self) -> None:
+        """Start the trainer and the rollout worker; return once both ended cleanly."""
+        self.trainer.start()
+        self.rollout.start()
+        print("training ...", flush=True)
+        while self.trainer.running():
+            _check(self.jobs)
+            self.progress.poll()
+            if time.monotonic() > self.deadline:
+                raise JobFailed(f"the run did not finish within --local.max-wall-s {self.config.local.max_wall_s:.0f}s")
+            time.sleep(2)
+        _check([self.trainer])
+        # The rollout worker stops by itself once it sees trainer/DONE.json, writing what it has scored.
+        self.wait_until("the rollout worker to finish", self.rollout.exited, 120)
+        _check(self.jobs)
+        self.progress.poll()
+
+    def stop_all(self) -> None:
+        # Stop everything even if interrupted again meanwhile; replicas last and with the longest grace,
+        # since their sidecars deregister and then stop vLLM.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for job in reversed(self.jobs):
+            try:
+                job.stop(timeout_s=60 if job in self.replicas else 30)
+            except Exception as exc:  # noqa: BLE001 - keep stopping the others
+                print(f"brigade local: could not stop {job.name}: {exc}", file=sys.stderr, flush=True)
+
+
+def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:
+    summary = summarize(store)
+    summary["wall_s"] = time.monotonic() - local.started
+    summary["replica_startup_s"] = local.replica_startup_s
+    path = os.path.join(run_dir, "summary.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n" + render(summary))
+    print(f"wall time             {summary['wall_s']:.0f} s (replicas ready after {local.replica_startup_s:.0f} s)")
+    print(f"summary written to {path}")
+
+
+def run(config: Config) -> int:
+    store = _open_local_bucket(config)
     run_dir = os.path.dirname(store.root)
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     store.check_reachable(create=True)
     _ensure_model(config)
     manifest = init_or_check(store, config.run, "local")
-    cfg_path = os.path.join(run_dir, "config.toml")
-    with open(cfg_path, "w") as f:
-        f.write(to_toml(config))
+    cfg_path = _write_config(config, run_dir)
     print(f"run {manifest.run_id}: bucket {store.root}\n  logs in {logs}", flush=True)
 
-    cmd = [sys.executable, "-m", "infra.cli"]
-    ncores = os.cpu_count() or 1
-    replica_jobs = [
-        Job(
-            f"replica-{i}",
-            cmd
-            + [
-                "replica",
-                "--config",
-                cfg_path,
-                "--replica.port",
-                str(lc.base_port + i),
-                "--replica.replica-id",
-                f"replica-{i}",
-                "--replica.log-dir",
-                logs,
-                "--replica.cpu-threads",
-                config.replica.cpu_threads or str(i % ncores),
-            ],
-            os.path.join(logs, f"replica-{i}.log"),
-        )
-        for i in range(lc.num_replicas)
-    ]
-    proxy = Job("proxy", cmd + ["proxy", "--config", cfg_path], os.path.join(logs, "proxy.log"))
-    rollout = Job("rollout", cmd + ["rollout", "--config", cfg_path], os.path.join(logs, "rollout.log"))
-    trainer = Job(
-        "trainer",
-        cmd
-        + [
-            "trainer",
-            "--config",
-            cfg_path,
-            "--trainer.torch-threads",
-            str(config.trainer.torch_threads or lc.trainer_threads),
-        ],
-        os.path.join(logs, "trainer.log"),
-    )
-    jobs = replica_jobs + [proxy, rollout, trainer]
-
-    def on_sigterm(signum, frame):  # `kill` of brigade local must still stop every job it started
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    deadline = time.monotonic() + lc.max_wall_s
-    started = time.monotonic()
-    progress = Progress(store)
-
-    def wait_until(what: str, ready, timeout_s: float) -> None:
-        limit = min(deadline, time.monotonic() + timeout_s)
-        while not ready():
-            _check(jobs)
-            if time.monotonic() > limit:
-                raise JobFailed(f"timed out waiting for {what}")
-            time.sleep(0.5)
-
+    local = LocalRun(config, store, cfg_path, logs)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for job in replica_jobs:
-            job.start()
-        print(f"starting {lc.num_replicas} vLLM replicas (about a minute on CPU) ...", flush=True)
-        ours = {f"replica-{i}" for i in range(lc.num_replicas)}
-        wall_start = time.time()
-
-        def replicas_registered() -> bool:
-            # only this run's registrations: a reused bucket may hold stale ones from an earlier run
-            fresh = {r.replica_id for r in replicas.list_replicas(store) if r.started_at >= wall_start - 5}
-            return ours <= fresh
-
-        wait_until("the replicas to register in the bucket", replicas_registered, config.replica.startup_timeout_s + 30)
-        t_replicas = time.monotonic() - started
-        print(f"  {lc.num_replicas} replicas up after {t_replicas:.0f}s", flush=True)
-        proxy.start()
-
-        def proxy_ready() -> bool:
-            try:
-                return httpx.get(f"http://{config.proxy.host}:{config.proxy.port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until("the proxy", proxy_ready, 60)
-        trainer.start()
-        rollout.start()
-        print("training ...", flush=True)
-        while trainer.running():
-            _check(jobs)
-            progress.poll()
-            if time.monotonic() > deadline:
-                raise JobFailed(f"the run did not finish within --local.max-wall-s {lc.max_wall_s:.0f}s")
-            time.sleep(2)
-        _check([trainer])
-        # The rollout worker stops by itself once it sees trainer/DONE.json, writing what it has scored.
-        wait_until("the rollout worker to finish", lambda: not rollout.running(), 120)
-        _check(jobs)
-        progress.poll()
+        local.start_replicas()
+        local.start_proxy()
+        local.train()
     except JobFailed as exc:
         print(f"brigade local: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        # Stop everything even if interrupted again meanwhile; replicas last and with the longest grace,
-        # since their sidecars deregister and then stop vLLM.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for job in reversed(jobs):
-            try:
-                job.stop(timeout_s=60 if job in replica_jobs else 30)
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                print(f"brigade local: could not stop {job.name}: {exc}", file=sys.stderr, flush=True)
-
-    summary = summarize(store)
-    summary["wall_s"] = time.monotonic() - started
-    summary["replica_startup_s"] = t_replicas
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print("\n" + render(summary))
-    print(f"wall time             {summary['wall_s']:.0f} s (replicas ready after {t_replicas:.0f} s)")
-    print(f"summary written to {os.path.join(run_dir, 'summary.json')}")
+        local.stop_all()
+    _write_summary(store, run_dir, local)
     return 0

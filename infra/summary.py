@@ -10,11 +10,12 @@ import json
 import statistics
 from typing import Any
 
-from bucket import checkpoints, events, layout
-from bucket.rollouts import read_new_shards
+from bucket import checkpoints, events
+from bucket.progress import read_done
+from bucket.rollouts import read_shards
+from bucket.settings import open_bucket
 from bucket.store import Store
 from infra.config import Config
-from infra.init_run import open_bucket
 
 
 def summarize(store: Store) -> dict[str, Any]:
@@ -44,8 +45,8 @@ def summarize(store: Store) -> dict[str, Any]:
                 "fanout_s": done.get("seconds") if done else None,
             }
         )
-    shards = read_new_shards(store, {})
-    groups_written = sum(len(s.groups) for _, s in shards)
+    shards = read_shards(store, {})
+    groups_written = sum(len(s.shard.groups) for s in shards if s.shard)
     lineage = checkpoints.lineage(store)
     trained = [g for st in lineage for g in st.trained]
     dropped = [g for st in lineage for g in st.dropped_stale]
@@ -65,11 +66,12 @@ def summarize(store: Store) -> dict[str, Any]:
         "versions": versions,
         "sync_p50_s": statistics.median(latencies) if latencies else None,
         "rollout_shards": len(shards),
+        "rollout_shards_invalid": [s.record.key for s in shards if s.shard is None],
         "groups_written": groups_written,
         "groups_trained": len(trained),
         "groups_dropped_stale": len(dropped),
         "groups_pending": len(lineage[-1].pending) if lineage else 0,
-        "done": store.exists(layout.TRAINER_DONE),
+        "done": read_done(store) is not None,
     }
 
 
@@ -99,7 +101,7 @@ def render(summary: dict[str, Any]) -> str:
 
 
 def run(config: Config) -> int:
-    store = open_bucket(config)
+    store = open_bucket(config.bucket)
     s = summarize(store)
     print(render(s))
     print(json.dumps(s))

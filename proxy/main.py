@@ -8,19 +8,19 @@ import uvicorn
 from fastapi import FastAPI
 
 from bucket import layout
-from bucket.manifest import wait_and_check
-from infra.config import Config, ConfigError
-from infra.init_run import open_bucket
+from bucket.manifest import RunSpec, wait_and_check
+from bucket.settings import BucketConfig, ConfigError, open_bucket
 from proxy.app import Proxy, create_app
+from proxy.config import ProxyConfig
 
 log = logging.getLogger("brigade.proxy")
 
 
-def build_app(config: Config) -> FastAPI:
+def build_app(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> FastAPI:
     """The proxy's ASGI app for a run config (opens the bucket and checks run.json; starts nothing)."""
-    store = open_bucket(config)
-    manifest = wait_and_check(store, config.run, "proxy", config.bucket.manifest_wait_s)
-    pc = config.proxy
+    store = open_bucket(bucket)
+    manifest = wait_and_check(store, spec, "proxy", bucket.manifest_wait_s)
+    pc = settings
     adapter_root = pc.adapter_root or store.local_path(layout.ADAPTERS)
     if pc.replica_urls and not adapter_root:
         raise ConfigError(
@@ -33,17 +33,17 @@ def build_app(config: Config) -> FastAPI:
     return create_app(proxy)
 
 
-def run(config: Config) -> int:
+def run(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     # httpx logs every request at INFO: with health probes and thousands of
     # generations that would bury the proxy's own log.
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
-    app = build_app(config)
+    app = build_app(settings, spec, bucket)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=config.proxy.host,
-            port=config.proxy.port,
+            host=settings.host,
+            port=settings.port,
             log_config=None,  # keep the CLI's logging setup
             access_log=False,  # one line per generation request would drown the load fan-out logs
             timeout_keep_alive=30,

@@ -25,15 +25,13 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
 
-from bucket import layout, replicas
+from bucket import events, layout, replicas
 from bucket.events import EventLog
-from bucket.manifest import RunManifest, wait_and_check
+from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.replicas import ReplicaInfo
+from bucket.settings import BucketConfig, open_bucket
 from bucket.store import Store
-from infra.config import Config
-from infra.init_run import open_bucket
 from replica.config import ReplicaConfig
 from replica.mirror import AdapterMirror
 from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, plan_server
@@ -41,10 +39,6 @@ from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, plan_ser
 log = logging.getLogger("brigade.replica")
 
 MIRROR_POLL_S = 0.5
-# Event kinds this job writes (see bucket/events.py for the others).
-REPLICA_STARTED = "replica_started"
-REPLICA_STOPPED = "replica_stopped"
-ADAPTER_MIRRORED = "adapter_mirrored"
 
 
 def replica_id(rc: ReplicaConfig) -> str:
@@ -87,32 +81,10 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-class _Events:
-    """EventLog shared by the main and mirror threads; event writing never stops the replica."""
-
-    def __init__(self, store: Store, rid: str):
-        self._lock = threading.Lock()
-        try:
-            self._log: EventLog | None = EventLog(store, "replica")
-        except Exception as exc:
-            log.warning("events disabled: %s", exc)
-            self._log = None
-        self.rid = rid
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        if self._log is None:
-            return
-        with self._lock:
-            try:
-                self._log.emit(kind, replica=self.rid, **fields)
-            except Exception as exc:
-                log.warning("could not write event %s: %s", kind, exc)
-
-
 class Replica:
-    def __init__(self, config: Config):
-        self.config = config
-        self.rc = config.replica
+    def __init__(self, settings: ReplicaConfig, spec: RunSpec, bucket: BucketConfig):
+        self.spec, self.bucket = spec, bucket
+        self.rc = settings
         self.stop = threading.Event()
         self.rid = replica_id(self.rc)
         self.registered = False
@@ -122,7 +94,7 @@ class Replica:
         self._threads: list[threading.Thread] = []
 
     # -- setup --------------------------------------------------------------
-    def _adapter_root(self, store: Store, manifest: RunManifest, events: _Events) -> str:
+    def _adapter_root(self, store: Store, manifest: RunManifest, event_log: EventLog) -> str:
         local = store.local_path(layout.ADAPTERS)
         if local is not None:
             return local  # vLLM reads the bucket's own folder (local path or mount)
@@ -133,8 +105,8 @@ class Replica:
             store,
             cache_dir,
             window=manifest.max_staleness + 1,
-            on_mirrored=lambda v, committed_at: events.emit(
-                ADAPTER_MIRRORED, version=v, committed_at=committed_at, path=self.mirror.path(v)
+            on_mirrored=lambda v, committed_at: event_log.emit(
+                events.ADAPTER_MIRRORED, version=v, committed_at=committed_at, path=self.mirror.path(v)
             ),
         )
         self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
@@ -183,15 +155,15 @@ class Replica:
     # -- main -------------------------------------------------------------------
     def serve(self) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health check otherwise
-        store = open_bucket(self.config)
-        manifest = wait_and_check(store, self.config.run, "replica", self.config.bucket.manifest_wait_s)
+        store = open_bucket(self.bucket)
+        manifest = wait_and_check(store, self.spec, "replica", self.bucket.manifest_wait_s)
         check_model_dir(self.rc.model_path)
         plan = plan_server(self.rc, manifest, cpu=is_cpu_build())
         check_port_free(self.rc.host, self.rc.port)
-        events = _Events(store, self.rid)
+        event_log = EventLog(store, "replica", replica=self.rid)
         self._install_signal_handlers()
         try:
-            adapter_root = self._adapter_root(store, manifest, events)
+            adapter_root = self._adapter_root(store, manifest, event_log)
             self.server = VllmServer(plan, self._log_path())
             print(
                 f"brigade replica {self.rid}: starting vLLM on {plan.base_url} "
@@ -214,7 +186,9 @@ class Replica:
             )
             replicas.register(store, info)
             self.registered = True
-            events.emit(REPLICA_STARTED, url=info.url, startup_s=round(startup_s, 1), adapter_root=adapter_root)
+            event_log.emit(
+                events.REPLICA_STARTED, url=info.url, startup_s=round(startup_s, 1), adapter_root=adapter_root
+            )
             print(
                 f"brigade replica {self.rid}: healthy after {startup_s:.0f}s, registered as {info.url} "
                 f"(adapters from {adapter_root})",
@@ -230,7 +204,7 @@ class Replica:
                         f"vLLM exited with code {self.server.proc.returncode}. "
                         f"Last lines of {self.server.log_path}:\n{self.server.log_tail()}"
                     )
-            events.emit(REPLICA_STOPPED, reason="signal")
+            event_log.emit(events.REPLICA_STOPPED, reason="signal")
             return 0
         finally:
             self._shutdown(store)
@@ -252,9 +226,9 @@ class Replica:
             shutil.rmtree(self._own_cache_dir, ignore_errors=True)
 
 
-def run(config: Config) -> int:
+def run(settings: ReplicaConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     try:
-        return Replica(config).serve()
+        return Replica(settings, spec, bucket).serve()
     except ReplicaError as exc:
         # Reported like the CLI's ConfigError/BucketError: one clean message, no traceback.
         print(f"brigade replica: error: {exc}", file=sys.stderr)

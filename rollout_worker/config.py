@@ -16,6 +16,8 @@ class RolloutConfig(BaseModel):
     )
     max_completion_length: int = Field(16, ge=1, description="Max new tokens per completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1.0 = off).")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
     max_inflight_groups: int = Field(4, ge=1, description="Prompt groups being generated at once.")
     max_unconsumed_groups: int = Field(
         8,

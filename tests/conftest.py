@@ -113,7 +113,7 @@ def model_dir() -> str:
 
     BRIGADE_HOME (or ~/.cache/brigade) holds it; the first build takes about 40 s.
     """
-    from infra.paths import default_model_dir
+    from bucket.settings import default_model_dir
     from infra.prepare_model import prepare_model
 
     return prepare_model(default_model_dir())

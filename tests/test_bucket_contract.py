@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bucket import adapters, checkpoints, events, layout, log, replicas
+from bucket import adapters, appendlog, checkpoints, events, layout, replicas
 from bucket.manifest import ManifestMismatch, RunSpec, init_or_check, read_manifest, wait_and_check
-from bucket.rollouts import Sample, ScoredGroup, ShardWriter, read_new_shards
+from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter, read_shards
 from bucket.store import BucketError, NotFound, Store
 
 
@@ -87,24 +87,24 @@ def test_adapter_tampering_detected(store: Store):
 
 
 def test_log_cursor_reads_only_new_records_across_partitions(store: Store, monkeypatch):
-    monkeypatch.setattr(log, "PARTITION", 3)
-    w = log.LogWriter(store, "logs", "w1")
+    monkeypatch.setattr(appendlog, "PARTITION", 3)
+    w = appendlog.LogWriter(store, "logs", "w1")
     for i in range(7):
         w.append({"i": i})
-    got = log.read_after(store, "logs", {})
+    got = appendlog.read_after(store, "logs", {})
     assert [r.body["i"] for r in got] == list(range(7))
     assert {r.key.split("/")[2] for r in got} == {"000000", "000001", "000002"}
-    assert [r.body["i"] for r in log.read_after(store, "logs", {"w1": 4})] == [5, 6]
-    assert log.read_after(store, "logs", {"w1": 6}) == []
+    assert [r.body["i"] for r in appendlog.read_after(store, "logs", {"w1": 4})] == [5, 6]
+    assert appendlog.read_after(store, "logs", {"w1": 6}) == []
     # a restarted writer continues its numbering instead of overwriting
-    w2 = log.LogWriter(store, "logs", "w1")
+    w2 = appendlog.LogWriter(store, "logs", "w1")
     w2.append({"i": 7})
-    assert [r.seq for r in log.read_after(store, "logs", {"w1": 6})] == [7]
+    assert [r.seq for r in appendlog.read_after(store, "logs", {"w1": 6})] == [7]
 
 
 def test_writer_id_validated(store: Store):
     with pytest.raises(ValueError, match="writer id"):
-        log.LogWriter(store, "logs", "../escape")
+        appendlog.LogWriter(store, "logs", "../escape")
 
 
 def _group(version: int, n: int = 2) -> ScoredGroup:
@@ -113,6 +113,7 @@ def _group(version: int, n: int = 2) -> ScoredGroup:
         prompt="What is 1 + 1?",
         prompt_ids=[1, 2, 3],
         adapter_version=version,
+        sampling=SamplingParams(temperature=1.0),
         samples=[Sample(completion_ids=[4], logprobs=[-0.1], text="2", reward=1.0)] * n,
     )
 
@@ -122,11 +123,11 @@ def test_shards_per_worker_cursor(store: Store):
     a.write([_group(0)])
     b.write([_group(1), _group(1)])
     a.write([_group(2)])
-    got = read_new_shards(store, {})
-    assert sorted((r.writer, r.seq) for r, _ in got) == [("worker-a", 0), ("worker-a", 1), ("worker-b", 0)]
-    assert len(read_new_shards(store, {"worker-a": 0, "worker-b": 0})) == 1
+    got = read_shards(store, {})
+    assert sorted((s.record.writer, s.record.seq) for s in got) == [("worker-a", 0), ("worker-a", 1), ("worker-b", 0)]
+    assert len(read_shards(store, {"worker-a": 0, "worker-b": 0})) == 1
     # shards are plain JSON: nothing in the bucket is unpickled
-    raw = store.get_bytes(got[0][0].key)
+    raw = store.get_bytes(got[0].record.key)
     assert json.loads(raw)["groups"][0]["samples"][0]["text"] == "2"
 
 
@@ -176,18 +177,18 @@ def test_events_roundtrip(store: Store):
 
 
 def test_two_writers_with_one_id_never_overwrite(store: Store):
-    a, b = log.LogWriter(store, "logs", "w"), log.LogWriter(store, "logs", "w")  # a misconfigured duplicate
+    a, b = appendlog.LogWriter(store, "logs", "w"), appendlog.LogWriter(store, "logs", "w")  # a misconfigured duplicate
     keys = [a.append({"by": "a"}), b.append({"by": "b"}), a.append({"by": "a2"})]
     assert len(set(keys)) == 3
-    assert sorted(r.body["by"] for r in log.read_after(store, "logs", {})) == ["a", "a2", "b"]
+    assert sorted(r.body["by"] for r in appendlog.read_after(store, "logs", {})) == ["a", "a2", "b"]
 
 
 def test_limit_applies_per_writer_so_no_writer_starves(store: Store):
     for w in ("a", "b"):
-        lw = log.LogWriter(store, "logs", w)
+        lw = appendlog.LogWriter(store, "logs", w)
         for i in range(3):
             lw.append({"i": i})
-    got = log.read_after(store, "logs", {}, limit=1)
+    got = appendlog.read_after(store, "logs", {}, limit=1)
     assert sorted((r.writer, r.seq) for r in got) == [("a", 0), ("b", 0)]
 
 

@@ -17,7 +17,7 @@ from conftest import free_port
 
 from bucket import checkpoints, events
 from bucket.manifest import read_manifest
-from bucket.rollouts import read_new_shards
+from bucket.rollouts import read_shards
 from bucket.store import Store
 from infra.summary import summarize
 
@@ -97,11 +97,12 @@ def test_every_rollout_consumed_exactly_once_within_staleness(local_run):
     assert len(trained) == STEPS * 2
     # every group of every shard up to the trainer's cursors is accounted for; the rest came after the last step
     cursors = lineage[-1].cursors
-    shards = read_new_shards(store, {})
-    read = {f"{r.key}#{i}" for r, sh in shards if r.seq <= cursors.get(r.writer, -1) for i in range(len(sh.groups))}
+    shards = read_shards(store, {})
+    assert not [s.error for s in shards if s.shard is None]
+    read = {str(gid) for s in shards if s.record.seq <= cursors.get(s.record.writer, -1) for gid, _ in s.groups()}
     assert read == set(consumed)
     # staleness: groups trained between checkpoint k-1 and k were trained at the version of checkpoint k-1
-    groups = {f"{r.key}#{i}": g for r, sh in shards for i, g in enumerate(sh.groups)}
+    groups = {str(gid): g for s in shards for gid, g in s.groups()}
     manifest = read_manifest(store)
     for parent, child in zip(lineage, lineage[1:]):
         for gid in child.trained:
@@ -113,8 +114,8 @@ def test_every_rollout_consumed_exactly_once_within_staleness(local_run):
 def test_replicas_served_more_than_one_adapter_version(local_run):
     _, store = local_run
     served: dict[str, set[int]] = collections.defaultdict(set)
-    for _, shard in read_new_shards(store, {}):
-        for g in shard.groups:
+    for s in read_shards(store, {}):
+        for _, g in s.groups():
             for sample in g.samples:
                 served[sample.replica].add(g.adapter_version)
     assert set(served) >= {"replica-0", "replica-1"}, dict(served)

@@ -766,7 +766,10 @@ def test_served_by_uvicorn_over_real_sockets(tmp_path):
                 "proxy.refresh_s": 0.1,
             }
         )
-        with _Served(build_app(cfg)) as proxy, httpx.Client(base_url=proxy.url, timeout=30) as client:
+        with (
+            _Served(build_app(cfg.proxy, cfg.run, cfg.bucket)) as proxy,
+            httpx.Client(base_url=proxy.url, timeout=30) as client,
+        ):
             assert client.get("/health").status_code == 200
             resp = client.post("/v1/load_lora_adapter", json=load_body(manifest, 1))
             assert resp.status_code == 200, resp.text
@@ -814,7 +817,7 @@ def test_registered_replica_that_does_not_answer_gets_no_traffic(tmp_path):
 
 def test_lora_path_forms_for_an_object_store_bucket():
     """Pure path check (no server): with an s3:// bucket, its own URL is accepted and local paths are not."""
-    from proxy.adapters import BadAdapterPath, version_dir_of
+    from proxy.lora_paths import BadAdapterPath, version_dir_of
 
     store = Store("s3://my-bucket/run")
     assert version_dir_of(store, "s3://my-bucket/run/adapters/v000007") == "v000007"

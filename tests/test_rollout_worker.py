@@ -1,6 +1,7 @@
 """The rollout worker against the real proxy and the session's real vLLM replicas.
 
-Each job runs as its own process (`brigade proxy`, `brigade rollout`), as in a deployment.
+Each job runs as its own process through its own entry point (`python -m proxy`, `python -m rollout_worker`),
+as in a deployment.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import time
 
 from conftest import REPO_ROOT, free_port, stop, wait_http
 
-from bucket.rollouts import read_new_shards
+from bucket.rollouts import RolloutShard, read_shards
+
+
+def worker_shards(store) -> list[RolloutShard]:
+    reads = [r for r in read_shards(store, {}) if r.record.writer == "w-sigterm"]
+    assert all(r.shard is not None for r in reads), [r.error for r in reads]
+    return [r.shard for r in reads]
 
 
 def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
@@ -21,7 +28,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
     port = free_port()
     common = ["--bucket", store.url, "--bucket.manifest-wait-s", "5"]
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "proxy", *common, "--proxy.port", str(port), "--proxy.refresh-s", "0.5"],
+        [sys.executable, "-m", "proxy", *common, "--proxy.port", str(port), "--proxy.refresh-s", "0.5"],
         cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -35,8 +42,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
                 [
                     sys.executable,
                     "-m",
-                    "infra.cli",
-                    "rollout",
+                    "rollout_worker",
                     *common,
                     "--rollout.proxy-url",
                     f"http://127.0.0.1:{port}",
@@ -56,7 +62,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
                 stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 240
-        while not [r for r, _ in read_new_shards(store, {}) if r.writer == "w-sigterm"]:
+        while not worker_shards(store):
             assert worker.poll() is None, worker_log.read_text()[-3000:]
             assert time.monotonic() < deadline, "no shard within 240 s"
             time.sleep(0.5)
@@ -71,7 +77,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
     text = worker_log.read_text()
     m = re.search(r"stopped: (\d+) groups in (\d+) shards", text)
     assert m, text[-3000:]
-    shards = [s for r, s in read_new_shards(store, {}) if r.writer == "w-sigterm"]
+    shards = worker_shards(store)
     # every group the worker scored is in the bucket, the last partial shard included
     assert sum(len(s.groups) for s in shards) == int(m.group(1))
     assert len(shards) == int(m.group(2))

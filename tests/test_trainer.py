@@ -14,7 +14,7 @@ import torch
 
 from bucket import adapters, checkpoints, events, layout
 from bucket.manifest import RunSpec, init_or_check
-from bucket.rollouts import Sample, ScoredGroup, ShardWriter
+from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
 from bucket.store import Store
 from infra.config import ConfigError, load
 from trainer.main import run as run_trainer
@@ -41,12 +41,18 @@ def _group(model, rng: random.Random, version: int) -> ScoredGroup:
             Sample(completion_ids=comp, logprobs=lp[len(prompt) - 1 :].tolist(), text=str(k), reward=float(k % 2))
         )
     return ScoredGroup(
-        prompt_id=f"p{rng.random()}", prompt="x", prompt_ids=prompt, adapter_version=version, samples=samples
+        prompt_id=f"p{rng.random()}",
+        prompt="x",
+        prompt_ids=prompt,
+        adapter_version=version,
+        sampling=SamplingParams(temperature=1.0),
+        samples=samples,
     )
 
 
 def _config(bucket: str, model_dir: str, **trainer):
-    return load(
+    """The trainer's own arguments: its settings, the run spec, the bucket settings."""
+    c = load(
         overrides={
             "bucket.url": bucket,
             "run.num_generations": G,
@@ -59,6 +65,7 @@ def _config(bucket: str, model_dir: str, **trainer):
             **{f"trainer.{k}": v for k, v in trainer.items()},
         }
     )
+    return c.trainer, c.run, c.bucket
 
 
 def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_model):
@@ -71,7 +78,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     for _ in range(3):
         writer.write([_group(base_model, rng, 0), _group(base_model, rng, 0)])
 
-    assert run_trainer(_config(bucket, model_dir, max_steps=2)) == 0
+    assert run_trainer(*_config(bucket, model_dir, max_steps=2)) == 0
     # v1 = untrained adapter, then one version per step
     assert adapters.committed_versions(store) == [1, 2, 3]
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
@@ -95,7 +102,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     bad["samples"][0]["logprobs"].pop()
     store.put_json(f"{layout.ROLLOUTS}/w0/000000/{5:012d}.json", {"worker": "w0", "groups": [bad]})
     writer.write([_group(base_model, rng, 3)])
-    assert run_trainer(_config(bucket, model_dir, max_steps=3)) == 0
+    assert run_trainer(*_config(bucket, model_dir, max_steps=3)) == 0
     final = checkpoints.load_latest(store)
     assert final.invalid == [f"{layout.ROLLOUTS}/w0/000000/{5:012d}.json"]
     assert final.step == 3 and final.version == 5  # v4 was left half-written: its name is never reused
@@ -115,4 +122,4 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
 
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="prepare-model"):
-        run_trainer(_config(str(tmp_path / "b"), str(tmp_path / "no-model"), max_steps=1))
+        run_trainer(*_config(str(tmp_path / "b"), str(tmp_path / "no-model"), max_steps=1))

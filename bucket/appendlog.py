@@ -1,4 +1,4 @@
-"""Append-only logs in a bucket: rollout shards and events.
+"""Append-only logs in a bucket: rollout shards and events (named so it never shadows a `log` logger).
 
 Each writer owns a folder and numbers its records 0, 1, 2, ... Records are
 grouped into partitions of PARTITION records, so a reader that remembers the
@@ -30,6 +30,15 @@ def check_writer_id(writer: str) -> str:
 
 def record_key(prefix: str, writer: str, seq: int) -> str:
     return f"{prefix}/{writer}/{seq // PARTITION:06d}/{seq:012d}.json"
+
+
+def parse_record_key(prefix: str, key: str) -> tuple[str, int]:
+    """(writer, seq) of a key made by `record_key`."""
+    parts = key.split("/")
+    head, writer, name = "/".join(parts[:-3]), parts[-3] if len(parts) >= 3 else "", parts[-1]
+    if head != prefix or not _WRITER_RE.match(writer) or not name.endswith(".json") or not name[:-5].isdigit():
+        raise ValueError(f"{key!r} is not a record key under {prefix}/")
+    return writer, int(name[:-5])
 
 
 def _seqs_in_partition(store: Store, prefix: str, writer: str, part: int) -> list[int]:

@@ -1,0 +1,22 @@
+"""The proxy's one way of writing an event to the bucket."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from bucket.events import EventKind, EventLog
+
+
+class EventWriter:
+    """Appends events off the event loop (a bucket write can take a while).
+
+    `EventLog.emit` is thread-safe and logs instead of raising, so a bucket
+    hiccup never fails the request an event describes.
+    """
+
+    def __init__(self, event_log: EventLog) -> None:
+        self.log = event_log
+
+    async def emit(self, kind: EventKind, **fields: Any) -> None:
+        await asyncio.to_thread(self.log.emit, kind, **fields)

@@ -1,0 +1,237 @@
+"""Which replicas receive traffic.
+
+Replicas come from the bucket registry (alive while they heartbeat) or from a
+static list (alive while they answer /health). A new replica receives traffic
+only once it holds every loaded adapter, so a rollout never lands on a replica
+that lacks the adapter it names; one that is gone or restarted (a restart
+loses its adapters) stops receiving traffic at the next refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+
+import httpx
+
+from bucket import adapters, events, layout
+from bucket.replicas import LivenessTracker, ReplicaInfo, list_replicas
+from proxy.event_writer import EventWriter
+from proxy.lora_paths import AdapterRef
+from proxy.state import ProxyState
+from proxy.upstream import Upstream
+
+log = logging.getLogger("brigade.proxy")
+
+STARTUP_JOIN_WAIT_S = 10.0
+JOIN_RETRY_S = 5.0  # a replica that failed to join is retried this often, not at every refresh
+
+
+def _incarnation(info: ReplicaInfo) -> tuple[str, float, str]:
+    # A restarted replica re-registers with a new started_at and has lost its adapters.
+    return info.url, info.started_at, info.adapter_root
+
+
+class Membership:
+    """Discovers replicas, lets joiners in once they hold every loaded adapter, drops the ones that left."""
+
+    def __init__(
+        self, state: ProxyState, upstream: Upstream, events: EventWriter, static_adapter_root: str | None
+    ) -> None:
+        self.state = state
+        self.upstream = upstream
+        self.events = events
+        self.static = bool(state.config.replica_urls)
+        if self.static and not static_adapter_root:
+            raise ValueError(
+                "static replica_urls need the replicas' adapter folder (proxy.adapter_root, "
+                "or a bucket that is a local folder)"
+            )
+        self.static_adapter_root = static_adapter_root or ""
+        self.liveness = LivenessTracker(state.config.replica_timeout_s)
+        self.joining: dict[str, asyncio.Task] = {}
+        self._join_retry_at: dict[str, float] = {}
+        self._last_healthy: dict[str, float] = {}  # static replicas: when /health last said 200
+        self._refresher: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Adopt what the replicas already serve, let the first ones join (waiting a little), then keep refreshing."""
+        # A restarted proxy first learns what its replicas already serve, so
+        # every replica (and any that joins later) gets all of it.
+        try:
+            for info in await self.discover():
+                await self._adopt(info)
+        except Exception as exc:
+            log.warning("could not look for adapters the replicas already serve: %s", exc)
+        await self.refresh()
+        if self.joining:
+            await asyncio.wait(list(self.joining.values()), timeout=STARTUP_JOIN_WAIT_S)
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        tasks = [t for t in [self._refresher, *self.joining.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _static_infos(self) -> list[ReplicaInfo]:
+        manifest = self.state.manifest
+        base = manifest.base_model if manifest else ""
+        return [
+            ReplicaInfo(
+                replica_id=url.rstrip("/"),
+                url=url.rstrip("/"),
+                adapter_root=self.static_adapter_root,
+                base_model=base,
+                block_size=self.state.config.block_size,
+                max_loras=0,
+                started_at=0.0,
+            )
+            for url in self.state.config.replica_urls
+        ]
+
+    async def discover(self) -> list[ReplicaInfo]:
+        """Replicas alive now: registered ones that heartbeat, static ones that answered /health lately.
+
+        A static replica is dropped only after replica_timeout_s without a good
+        probe: a replica busy enough to miss one probe keeps its cached prefixes.
+        """
+        if self.static:
+            infos = self._static_infos()
+            healthy = await asyncio.gather(*(self.upstream.healthy(i) for i in infos))
+            now = time.monotonic()
+            for info, ok in zip(infos, healthy):
+                if ok:
+                    self._last_healthy[info.replica_id] = now
+            timeout = self.state.config.replica_timeout_s
+            return [i for i in infos if now - self._last_healthy.get(i.replica_id, -math.inf) <= timeout]
+        infos = await asyncio.to_thread(list_replicas, self.state.store)
+        return self.liveness.update(infos)
+
+    async def refresh(self) -> None:
+        """Drop replicas that left or restarted, start joins for new ones."""
+        routable = self.state.routable
+        try:
+            alive = {i.replica_id: i for i in await self.discover()}
+        except Exception as exc:  # a bucket hiccup must not empty the replica set
+            log.warning(
+                "could not refresh the replica set (%s: %s); keeping %d replicas",
+                type(exc).__name__,
+                exc,
+                len(routable),
+            )
+            return
+        for rid, info in list(routable.items()):
+            now = alive.get(rid)
+            if now is None or _incarnation(now) != _incarnation(info):
+                self._drop(rid, "gone" if now is None else "restarted")
+        for rid, task in list(self.joining.items()):
+            if rid not in alive:
+                task.cancel()
+                self.joining.pop(rid, None)
+        now = time.monotonic()
+        for rid, info in alive.items():
+            if rid not in routable and rid not in self.joining and now >= self._join_retry_at.get(rid, 0.0):
+                self.joining[rid] = asyncio.create_task(self._join(info), name=f"join-{rid}")
+        self.state.metrics.replicas.set(len(routable))
+
+    def _drop(self, replica_id: str, why: str) -> None:
+        self.state.routable.pop(replica_id, None)
+        self.state.router.set_replicas(self.state.routable)
+        log.warning("replica %s left (%s); %d replicas receive traffic", replica_id, why, len(self.state.routable))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.state.config.refresh_s)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("replica refresh failed")
+
+    def _retry_join_later(self, replica_id: str) -> None:
+        self._join_retry_at[replica_id] = time.monotonic() + JOIN_RETRY_S
+
+    async def _join(self, info: ReplicaInfo) -> None:
+        """Give a new replica every loaded adapter (and the pause state), then let traffic in."""
+        rid = info.replica_id
+        state = self.state
+        try:
+            # A registry entry can outlive its replica by replica_timeout_s: ask before sending traffic.
+            if not self.static and not await self.upstream.healthy(info):
+                log.warning(
+                    "registered replica %s (%s) does not answer /health; retrying in %.0fs", rid, info.url, JOIN_RETRY_S
+                )
+                self._retry_join_later(rid)
+                return
+            async with state.adapter_lock:
+                if not await self._give_loaded_adapters(info):
+                    self._retry_join_later(rid)
+                    return
+                if state.paused_query is not None:
+                    await self.upstream.post(info, "/pause", query=state.paused_query)
+                state.routable[rid] = info
+                self._join_retry_at.pop(rid, None)
+                state.router.set_replicas(state.routable)
+                state.metrics.replicas.set(len(state.routable))
+                log.info(
+                    "replica %s (%s) joined with %d adapters; %d replicas receive traffic",
+                    rid,
+                    info.url,
+                    len(state.loaded),
+                    len(state.routable),
+                )
+        finally:
+            if self.joining.get(rid) is asyncio.current_task():
+                self.joining.pop(rid, None)
+
+    async def _give_loaded_adapters(self, info: ReplicaInfo) -> bool:
+        """Load every adapter in `loaded` on a joiner (caller holds the adapter lock); False at the first failure."""
+        rid = info.replica_id
+        for ad in list(self.state.loaded.values()):
+            t0 = time.monotonic()
+            res = await self.upstream.load_on(info, ad, t0 + self.state.config.load_retry_s)
+            if not res.ok:
+                self.state.metrics.load_failures.labels(rid).inc()
+                log.warning(
+                    "replica %s cannot join yet: loading %s failed (%s); retrying in %.0fs",
+                    rid,
+                    ad.lora_name,
+                    res.reason,
+                    JOIN_RETRY_S,
+                )
+                return False
+            if res.newly:  # a replica that already had it (the proxy restarted) is no sync event
+                await self.events.emit(
+                    events.LOADED,
+                    version=ad.version,
+                    lora_name=ad.lora_name,
+                    replica=rid,
+                    seconds=round(res.done_at - t0, 4),
+                    attempts=res.attempts,
+                    late_join=True,
+                )
+        return True
+
+    async def _adopt(self, info: ReplicaInfo) -> None:
+        """Remember the committed bucket adapters this replica already serves (after a proxy restart)."""
+        try:
+            resp = await self.upstream.probe(info, "/v1/models")
+            cards = resp.json().get("data", []) if resp.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        loaded = self.state.loaded
+        for card in cards:
+            name, root = card.get("id"), card.get("root")
+            if not card.get("parent") or not isinstance(root, str) or name in loaded:
+                continue
+            vdir = os.path.basename(root.rstrip("/"))
+            version = layout.parse_version_dir(vdir)
+            if version is None or await asyncio.to_thread(adapters.commit_marker, self.state.store, version) is None:
+                continue
+            loaded[name] = AdapterRef(name, version, vdir)
+            log.info("adopted adapter %s (%s) already served by %s", name, vdir, info.replica_id)

@@ -1,0 +1,34 @@
+"""What the proxy's parts (membership, fan-out, forwarding) share, in one place instead of hidden attributes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from bucket.manifest import RunManifest
+from bucket.replicas import ReplicaInfo
+from bucket.store import Store
+from proxy.config import ProxyConfig
+from proxy.lora_paths import AdapterRef
+from proxy.metrics import ProxyMetrics
+from proxy.routing import PrefixRouter
+
+
+@dataclass
+class ProxyState:
+    """The replica set, the adapters loaded on all of it, and the pause state.
+
+    Invariant: every adapter in `loaded` is loaded on every replica in
+    `routable`. Loads, unloads and joins change one or the other, so they hold
+    `adapter_lock`.
+    """
+
+    config: ProxyConfig
+    store: Store
+    manifest: RunManifest | None
+    router: PrefixRouter
+    metrics: ProxyMetrics
+    routable: dict[str, ReplicaInfo] = field(default_factory=dict)
+    loaded: dict[str, AdapterRef] = field(default_factory=dict)  # lora_name -> version: on every routable replica
+    paused_query: str | None = None  # set while paused, so joiners are paused too
+    adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

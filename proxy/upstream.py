@@ -1,0 +1,162 @@
+"""The proxy's calls to one replica: its HTTP client, and the adapter load and unload that fan-outs repeat."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bucket.replicas import ReplicaInfo
+from proxy.config import ProxyConfig
+from proxy.lora_paths import ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, error_message, replica_path
+
+# Retry of "No adapter found": start fast (a local mirror catches up in well
+# under a second), back off so a lagging mount is not hammered.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class ReplicaResult:
+    """What one replica answered to one adapter operation."""
+
+    replica: str
+    ok: bool
+    newly: bool = False  # this call loaded it (rollback unloads only these)
+    status: int | None = None  # upstream HTTP status; None = no answer at all
+    reason: str = ""
+    done_at: float = 0.0  # monotonic clock of the proxy
+    attempts: int = 1
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "ok": self.ok,
+            "status": self.status,
+            "reason": self.reason,
+            "attempts": self.attempts,
+        }
+
+
+def _no_answer(info: ReplicaInfo, exc: httpx.HTTPError, attempts: int = 1) -> ReplicaResult:
+    return ReplicaResult(
+        info.replica_id,
+        False,
+        reason=f"no answer ({type(exc).__name__}: {exc})",
+        done_at=time.monotonic(),
+        attempts=attempts,
+    )
+
+
+class Upstream:
+    """One HTTP client to every replica (opened by `open`), sending the replicas' bearer token on each call."""
+
+    def __init__(self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self._transport = transport  # tests put fake replicas here
+        self._client: httpx.AsyncClient | None = None
+        key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the proxy is not started")
+        return self._client
+
+    def open(self) -> None:
+        # Enough connections for every admitted request, plus probes and adapter calls beside them.
+        limits = httpx.Limits(
+            max_connections=self.config.max_inflight + 64, max_keepalive_connections=self.config.max_inflight + 64
+        )
+        self._client = httpx.AsyncClient(
+            transport=self._transport, limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0)
+        )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def probe(self, info: ReplicaInfo, path: str, query: str = "") -> httpx.Response:
+        """A GET with a short timeout: a replica too busy to answer it soon is treated as not answering."""
+        url = f"{info.url}{path}" + (f"?{query}" if query else "")
+        return await self.client.get(url, headers=self.auth, timeout=PROBE_TIMEOUT_S)
+
+    async def healthy(self, info: ReplicaInfo) -> bool:
+        try:
+            return (await self.probe(info, "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def post(
+        self, info: ReplicaInfo, path: str, body: Any = None, query: str = "", timeout: float | None = None
+    ) -> httpx.Response:
+        url = f"{info.url}{path}" + (f"?{query}" if query else "")
+        return await self.client.post(
+            url, json=body, headers=self.auth, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
+        )
+
+    async def load_on(self, info: ReplicaInfo, ad: AdapterRef, deadline: float) -> ReplicaResult:
+        """Load on one replica; retry "No adapter found" (its mount or mirror lagging) until `deadline`."""
+        body = {
+            "lora_name": ad.lora_name,
+            "lora_path": replica_path(info.adapter_root, ad.version_dir),
+            "load_inplace": False,
+        }
+        delay, attempts = RETRY_FIRST_S, 0
+        while True:
+            attempts += 1
+            try:
+                resp = await self.post(info, "/v1/load_lora_adapter", body)
+            except httpx.HTTPError as exc:
+                return _no_answer(info, exc, attempts)
+            text = resp.text
+            if resp.status_code == 200:
+                return ReplicaResult(
+                    info.replica_id, True, newly=True, status=200, done_at=time.monotonic(), attempts=attempts
+                )
+            if resp.status_code == 400 and ALREADY_LOADED in text:
+                return ReplicaResult(
+                    info.replica_id,
+                    True,
+                    status=400,
+                    reason="already loaded",
+                    done_at=time.monotonic(),
+                    attempts=attempts,
+                )
+            now = time.monotonic()
+            if resp.status_code == 404 and NOT_FOUND_ON_DISK in text and now < deadline:
+                await asyncio.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            reason = error_message(text)
+            if resp.status_code == 404 and NOT_FOUND_ON_DISK in text:
+                reason += (
+                    f" (asked for {body['lora_path']}; still missing after {self.config.load_retry_s:.0f}s "
+                    f"of retries: is the replica's adapter folder {info.adapter_root} the bucket's adapters/ "
+                    "or its mirror?)"
+                )
+            return ReplicaResult(
+                info.replica_id, False, status=resp.status_code, reason=reason, done_at=now, attempts=attempts
+            )
+
+    async def unload_on(self, info: ReplicaInfo, lora_name: str) -> ReplicaResult:
+        try:
+            resp = await self.post(info, "/v1/unload_lora_adapter", {"lora_name": lora_name})
+        except httpx.HTTPError as exc:
+            return _no_answer(info, exc)
+        # 404: the replica does not have it, which is what an unload wants.
+        ok = resp.status_code in (200, 404)
+        return ReplicaResult(
+            info.replica_id,
+            ok,
+            status=resp.status_code,
+            reason="" if resp.status_code == 200 else error_message(resp.text),
+            done_at=time.monotonic(),
+        )

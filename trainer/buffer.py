@@ -1,0 +1,75 @@
+"""Groups read from rollout shards but not yet trained, and what happened to every group read.
+
+The buffer owns the trainer's per-worker cursors: a shard is read once, its
+groups are queued (or dropped as too stale, or the whole shard recorded as
+invalid), and everything it recorded since the last checkpoint goes into the
+next one, so each group is trained or dropped exactly once along the chain of
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from bucket.checkpoints import TrainerState
+from bucket.rollouts import GroupId, ScoredGroup, read_groups, read_shards
+from bucket.store import Store
+
+log = logging.getLogger("brigade.trainer")
+
+
+class RolloutBuffer:
+    def __init__(self, store: Store, max_staleness: int):
+        self.store, self.max_staleness = store, max_staleness
+        self.cursors: dict[str, int] = {}
+        self.queue: collections.deque[tuple[GroupId, ScoredGroup]] = collections.deque()
+        self.dropped: list[GroupId] = []
+        self.invalid: list[str] = []
+
+    def restore(self, state: TrainerState) -> None:
+        """Continue from a checkpoint: its cursors, and the groups it had read but not trained."""
+        self.cursors = dict(state.cursors)
+        self.queue.extend(read_groups(self.store, [GroupId.parse(g) for g in state.pending]))
+
+    def poll(self, current_version: int, max_shards: int | None = None) -> int:
+        """Read new shards; drop (and record) groups outside the staleness window. Returns groups added."""
+        added = 0
+        for read in read_shards(self.store, self.cursors, limit=max_shards):
+            self.cursors[read.record.writer] = read.record.seq
+            if read.shard is None:
+                # Recorded and skipped: raising would crash every restart on the same shard.
+                log.error("rollout shard %s is malformed and is skipped: %s", read.record.key, read.error)
+                self.invalid.append(read.record.key)
+                continue
+            for gid, group in read.groups():
+                if self.is_stale(group, current_version):
+                    self.dropped.append(gid)
+                else:
+                    self.queue.append((gid, group))
+                    added += 1
+        return added
+
+    def is_stale(self, group: ScoredGroup, current_version: int) -> bool:
+        return current_version - group.adapter_version > self.max_staleness
+
+    def take(self, n: int, current_version: int) -> list[tuple[GroupId, ScoredGroup]]:
+        """Up to n groups, oldest first; groups that went stale while waiting are dropped (and recorded)."""
+        batch = []
+        while self.queue and len(batch) < n:
+            gid, group = self.queue.popleft()
+            if self.is_stale(group, current_version):
+                self.dropped.append(gid)
+            else:
+                batch.append((gid, group))
+        return batch
+
+    def put_back(self, batch: list[tuple[GroupId, ScoredGroup]]) -> None:
+        self.queue.extendleft(reversed(batch))
+
+    def pending(self) -> list[GroupId]:
+        return [gid for gid, _ in self.queue]
+
+    def clear_records(self) -> None:
+        """After a checkpoint recorded them."""
+        self.dropped, self.invalid = [], []
