@@ -2,7 +2,8 @@
 
 A checkpoint is taken at every adapter publish, tied to that version. It
 records, per rollout worker, the last shard read (the cursor), the groups
-trained or dropped as stale since the previous checkpoint, and the groups read
+trained, dropped as stale or skipped for zero reward variance since the
+previous checkpoint, and the groups read
 but not yet trained (which a restarted trainer reads again). A restarted trainer resumes
 from the newest checkpoint: shards consumed after it were trained into
 weights that died with the old process, so they are read again and, in the
@@ -28,14 +29,18 @@ class TrainerState(BaseModel):
     cursors: dict[str, int] = Field(default_factory=dict)
     trained: list[str] = Field(default_factory=list, description="groups ('<shard key>#<i>') trained since `parent`")
     dropped_stale: list[str] = Field(default_factory=list, description="groups dropped as too stale since `parent`")
+    skipped_zero_variance: list[str] = Field(
+        default_factory=list, description="groups whose rewards were all equal (no signal), never trained, since `parent`"
+    )
     invalid: list[str] = Field(default_factory=list, description="shards that failed validation, never trained")
     pending: list[str] = Field(default_factory=list, description="groups read but not yet trained (carried over)")
     groups_trained: int = 0
     groups_dropped_stale: int = 0
+    groups_skipped_zero_variance: int = 0
     parent: int | None = None
     created_at: float = Field(default_factory=time.time)
 
-    @field_validator("trained", "dropped_stale", "pending")
+    @field_validator("trained", "dropped_stale", "skipped_zero_variance", "pending")
     @classmethod
     def _group_ids(cls, ids: list[str]) -> list[str]:
         for gid in ids:

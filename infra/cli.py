@@ -15,6 +15,7 @@ import sys
 
 from bucket.settings import ConfigError, setup_logging
 from bucket.store import BucketError
+from infra import launch
 from infra.config import add_flags, load
 
 # name -> entry module with main(argv, prog)
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--log-level", default=argparse.SUPPRESS, help="Python logging level.")
         add_flags(p, sections)
+    launch.add_parser(sub)  # its own arguments (a target, the [launch] table): not a TOOLS entry
     return parser
 
 
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(ENTRY_POINTS[name]).main(job_argv, prog=f"brigade {name}"))
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level or "INFO")
+    if args.command == "launch":
+        return launch.main(args)
     module_name, sections, _ = TOOLS[args.command]
     try:
         config = load(args, sections)

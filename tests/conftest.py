@@ -206,6 +206,58 @@ def vllm_replicas(tmp_path_factory, model_dir):
             stop(proc, timeout_s=60)
 
 
+# -- the shared end-to-end run ----------------------------------------------------------------------
+
+LOCAL_RUN_STEPS, LOCAL_RUN_SYNC, LOCAL_RUN_STALENESS = 6, 2, 2
+
+
+@pytest.fixture(scope="session")
+def local_run(tmp_path_factory, model_dir):
+    """One real `brigade local` run per test session, shared by every test that reads a finished run's
+    bucket (tests/test_e2e_local.py, tests/test_dashboard.py); yields (the CompletedProcess, its Store)."""
+    run_dir = tmp_path_factory.mktemp("local")
+    bucket = run_dir / "bucket"
+    proxy_port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "local",
+        "--bucket",
+        str(bucket),
+        "--trainer.model-path",
+        model_dir,
+        "--replica.model-path",
+        model_dir,
+        "--run.num-generations",
+        "4",
+        "--run.max-staleness",
+        str(LOCAL_RUN_STALENESS),
+        "--trainer.max-steps",
+        str(LOCAL_RUN_STEPS),
+        "--trainer.weight-sync-steps",
+        str(LOCAL_RUN_SYNC),
+        "--trainer.groups-per-step",
+        "2",
+        "--rollout.max-completion-length",
+        "8",
+        "--rollout.groups-per-shard",
+        "1",
+        "--rollout.max-inflight-groups",
+        "2",
+        "--proxy.port",
+        str(proxy_port),
+        "--rollout.proxy-url",
+        f"http://127.0.0.1:{proxy_port}",
+        "--local.base-port",
+        str(free_port()),
+        "--local.max-wall-s",
+        "900",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    return proc, Store(str(bucket))
+
+
 def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str, bytes]:
     """A real rank-1 peft adapter on the model, with B non-zero so that it changes what the model says."""
     import torch

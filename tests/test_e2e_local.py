@@ -1,72 +1,23 @@
 """`brigade local` end to end, for real: 2 vLLM replicas, the proxy, a rollout worker and the trainer,
 each its own process, coordinating through a local-folder bucket. Every check reads the bucket.
 
-Named so that it runs before the tests that share session-wide replicas: only
-one set of vLLM servers is up at a time on a 2-core machine.
+The run is the session-wide `local_run` fixture (tests/conftest.py), shared with
+tests/test_dashboard.py. Named so that it runs before the tests that share
+session-wide replicas: only one set of vLLM servers is up at a time on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-import subprocess
-import sys
 
-import pytest
-from conftest import free_port
+from conftest import LOCAL_RUN_STEPS as STEPS
+from conftest import LOCAL_RUN_SYNC as SYNC
 
 from bucket import checkpoints, events
 from bucket.manifest import read_manifest
 from bucket.rollouts import read_shards
-from bucket.store import Store
 from infra.summary import summarize
-
-STEPS, SYNC, STALENESS = 6, 2, 2
-
-
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory, model_dir):
-    run_dir = tmp_path_factory.mktemp("local")
-    bucket = run_dir / "bucket"
-    proxy_port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "infra.cli",
-        "local",
-        "--bucket",
-        str(bucket),
-        "--trainer.model-path",
-        model_dir,
-        "--replica.model-path",
-        model_dir,
-        "--run.num-generations",
-        "4",
-        "--run.max-staleness",
-        str(STALENESS),
-        "--trainer.max-steps",
-        str(STEPS),
-        "--trainer.weight-sync-steps",
-        str(SYNC),
-        "--trainer.groups-per-step",
-        "2",
-        "--rollout.max-completion-length",
-        "8",
-        "--rollout.groups-per-shard",
-        "1",
-        "--rollout.max-inflight-groups",
-        "2",
-        "--proxy.port",
-        str(proxy_port),
-        "--rollout.proxy-url",
-        f"http://127.0.0.1:{proxy_port}",
-        "--local.base-port",
-        str(free_port()),
-        "--local.max-wall-s",
-        "900",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    return proc, Store(str(bucket))
 
 
 def test_run_succeeds_and_prints_summary(local_run):
