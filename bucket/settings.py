@@ -35,7 +35,7 @@ from bucket.store import BucketError, Store
 
 # Every table a run config may hold. A job reads its own and ignores the others'; a table outside
 # this list is a typo and fails loudly instead of being ignored.
-KNOWN_TABLES = ("run", "bucket", "trainer", "rollout", "proxy", "replica", "local")
+KNOWN_TABLES = ("run", "bucket", "trainer", "rollout", "proxy", "replica", "local", "launch")
 MODEL_NAME = "SmolLM2-135M-Instruct"
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 

@@ -29,6 +29,8 @@ JOBS: dict[str, str] = {
 OWN_PARSER: dict[str, str] = {
     "plan": "infra.plan",
     "dashboard": "infra.dashboard",
+    "eval": "infra.eval",
+    "export": "infra.export",
 }
 ENTRY_POINTS: dict[str, str] = {**JOBS, **OWN_PARSER}
 
