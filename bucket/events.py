@@ -41,6 +41,15 @@ class EventKind(StrEnum):
     REPLICA_STARTED = "replica_started"  # replica sidecar: vLLM healthy and registered
     REPLICA_STOPPED = "replica_stopped"  # replica sidecar: clean shutdown
     ADAPTER_MIRRORED = "adapter_mirrored"  # replica sidecar: a committed version copied to its local disk
+    REPLICA_ADMITTED = "replica_admitted"  # proxy: a replica holds every live adapter and receives traffic
+    REPLICA_EJECTED = "replica_ejected"  # proxy: a replica refused, timed out or failed /health (field: reason)
+    REPLICA_READMITTED = "replica_readmitted"  # proxy: an ejected replica answers again and holds every live adapter
+    REPLICA_REMOVED = "replica_removed"  # proxy: a replica left the registry (or restarted)
+    ROUTING_SNAPSHOT = "routing_snapshot"  # proxy, every few seconds: decisions by kind, in flight per replica
+    PROBE_FAILED = "adapter_probe_failed"  # proxy: a replica's canary logprobs do not match the version it loaded
+    EVAL = "eval"  # rollout worker or `brigade eval`: greedy held-out accuracy of one version (0 = base)
+    CURRICULUM = "curriculum_level"  # rollout worker: training prompts moved to another difficulty level
+    REWARD_FAILED = "reward_failed"  # rollout worker: a reward function raised or timed out (rewards None)
 
 
 # Module-level names, so call sites read `events.PUBLISHED`.
@@ -56,6 +65,15 @@ UNLOADED = EventKind.UNLOADED
 REPLICA_STARTED = EventKind.REPLICA_STARTED
 REPLICA_STOPPED = EventKind.REPLICA_STOPPED
 ADAPTER_MIRRORED = EventKind.ADAPTER_MIRRORED
+REPLICA_ADMITTED = EventKind.REPLICA_ADMITTED
+REPLICA_EJECTED = EventKind.REPLICA_EJECTED
+REPLICA_READMITTED = EventKind.REPLICA_READMITTED
+REPLICA_REMOVED = EventKind.REPLICA_REMOVED
+ROUTING_SNAPSHOT = EventKind.ROUTING_SNAPSHOT
+PROBE_FAILED = EventKind.PROBE_FAILED
+EVAL = EventKind.EVAL
+CURRICULUM = EventKind.CURRICULUM
+REWARD_FAILED = EventKind.REWARD_FAILED
 
 
 def default_writer(job: str) -> str:

@@ -8,8 +8,10 @@ Three jobs, in order of how much they matter to a run:
   lacks the adapter it names. A replica that joins later gets every loaded
   adapter before its first request (membership.py).
 * Generation requests go to the replica that already holds their prompt
-  prefix in its KV cache (routing.py), within a global in-flight cap
-  (forwarding.py).
+  prefix in its KV cache, keeping GRPO groups whole (routing.py), within a
+  global and a per-replica in-flight cap (forwarding.py). In production they
+  never reach this app: the proxy's own HTTP server (httpserver.py) answers
+  them on its hot path; the routes below serve them for ASGI clients (tests).
 * Everything else (models, tokenize, pause/resume, ...) is passed through
   (forwarding.py).
 
@@ -21,7 +23,10 @@ the rollout worker.
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,14 +36,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from bucket import events as ev
 from bucket.events import EventLog
 from bucket.manifest import RunManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 from proxy.config import ProxyConfig
+from proxy.errors import error_response
 from proxy.event_writer import EventWriter
 from proxy.fanout import AdapterFanout
-from proxy.forwarding import Forwarder
+from proxy.forwarding import GENERATION_PATHS, Forwarder
 from proxy.lora_paths import AdapterRef
 from proxy.membership import Membership
 from proxy.metrics import ProxyMetrics
@@ -47,6 +54,9 @@ from proxy.state import ProxyState
 from proxy.upstream import Upstream
 
 log = logging.getLogger("brigade.proxy")
+
+
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume"})
 
 
 class Proxy:
@@ -72,6 +82,16 @@ class Proxy:
         self.membership = Membership(self.state, self.upstream, self.events, static_adapter_root)
         self.fanout = AdapterFanout(self.state, self.upstream, self.events)
         self.forwarder = Forwarder(self.state, self.upstream)
+        # Failures seen on the hot path eject the replica at once; an ejected replica loses its connections.
+        self.forwarder.on_failure = self.membership.eject
+        self.membership.on_removed = self.forwarder.forget
+        self.membership.after_join = self.fanout.probe_joiner
+        self.fanout.on_probe_failed = lambda rid, why: self.membership.eject(rid, why, cause="canary_probe")
+        self.fanout.on_load_failed = self.forwarder.resume
+        self.fanout.isolate = self.forwarder.alone
+        self.state.metrics.live = self._live_metrics
+        self.admin_token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
+        self._snapshots: asyncio.Task | None = None
 
     # -- shared state, read by tests and /server_info ----------------------------
     @property
@@ -106,16 +126,23 @@ class Proxy:
     async def start(self) -> None:
         self.upstream.open()
         await self.membership.start()
+        self._snapshots = asyncio.create_task(self._snapshot_forever())
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info(
-            "proxy up: replicas from %s, %d routable, max_inflight %d",
+            "proxy up: replicas from %s, %d routable, max_inflight %d (%d per replica); admin endpoints %s",
             mode,
             len(self.routable),
             self.config.max_inflight,
+            self.config.replica_max_inflight,
+            "need a bearer token" if self.admin_token else "open (no token: loopback only)",
         )
 
     async def close(self) -> None:
+        if self._snapshots is not None:
+            self._snapshots.cancel()
+            await asyncio.gather(self._snapshots, return_exceptions=True)
         await self.membership.close()
+        self.forwarder.close()
         await self.upstream.close()
 
     # -- the parts, one call each ------------------------------------------------
@@ -131,21 +158,34 @@ class Proxy:
     async def unload_adapter(self, body: Any) -> Response:
         return await self.fanout.unload_adapter(body)
 
-    async def generate(self, request: Request, path: str) -> Response:
-        return await self.forwarder.generate(request, path)
-
-    async def forward(self, request: Request, path: str) -> Response:
-        return await self.forwarder.forward(request, path)
-
     async def broadcast(self, path: str, query: str) -> Response:
         return await self.forwarder.broadcast(path, query)
 
     async def world_size(self) -> int:
         return await self.forwarder.world_size()
 
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an admin call carries the admin token (always, when none is configured: loopback only)."""
+        if not self.admin_token:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.admin_token.encode())
+
     # -- status ------------------------------------------------------------------
+    def routing_status(self) -> dict[str, Any]:
+        router = self.router
+        return {
+            "decisions": dict(router.decisions),
+            "inflight_requests": router.inflight_all(),
+            "inflight_tokens": {r: round(v) for r, v in router.load_all().items()},
+            "waiting": self.forwarder.waiting,
+            "retries": dict(self.forwarder.retries),
+            "ejected": dict(self.membership.ejected),
+            "expected_completion_tokens": round(router.completion_tokens, 1),
+        }
+
     def info(self) -> dict[str, Any]:
-        cfg = self.config.model_dump()  # holds the key's variable name, never the key
+        cfg = self.config.model_dump()  # holds the keys' variable names, never the keys
         return {
             "run_id": self.manifest.run_id if self.manifest else None,
             "bucket": self.store.url,
@@ -154,24 +194,48 @@ class Proxy:
                     "replica_id": i.replica_id,
                     "url": i.url,
                     "adapter_root": i.adapter_root,
+                    "kv_block_size": i.block_size,
                     "inflight": self.router.inflight(i.replica_id),
                 }
                 for i in self.routable.values()
             ],
             "joining": sorted(self.membership.joining),
+            "ejected": dict(self.membership.ejected),
             "loaded_adapters": {n: a.version_dir for n, a in self.loaded.items()},
             "paused": self.paused_query is not None,
             "routing": {
-                "decisions": dict(self.router.decisions),
+                **self.routing_status(),
                 "known_blocks": self.router.known_blocks(),
+                "known_groups": self.router.known_groups(),
                 "shared_prefix_blocks": self.router.shared_prefix_blocks(),
             },
             "config": cfg,
         }
 
     async def server_info(self, query: str) -> dict[str, Any]:
-        """A replica's own /server_info (vLLM serves it in dev mode only) plus the proxy's state."""
-        return {**await self.forwarder.replica_server_info(query), "brigade_proxy": self.info()}
+        """A replica's own /server_info (vLLM serves it in dev mode only) plus the proxy's state.
+
+        `vllm_config` describes the proxy as one server (what TRL reads): a data-parallel size of 1, since
+        adapter loads reach every replica; LoRA limits the smallest of any replica's; synthesized from the run
+        and the registry when the replicas do not serve it.
+        """
+        own = await self.forwarder.replica_server_info(query)
+        config = own.get("vllm_config") if isinstance(own.get("vllm_config"), dict) else {}
+        max_loras = [i.max_loras for i in self.routable.values() if i.max_loras > 0]
+        lora = config.get("lora_config") if isinstance(config.get("lora_config"), dict) else {}
+        rank = self.manifest.lora_rank if self.manifest else 1
+        lora = {"max_lora_rank": rank, **lora, **({"max_loras": min(max_loras)} if max_loras else {})}
+        lora.setdefault("max_loras", 1)
+        parallel = config.get("parallel_config") if isinstance(config.get("parallel_config"), dict) else {}
+        model = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
+        config = {
+            **config,
+            "lora_config": lora,
+            "parallel_config": {**parallel, "data_parallel_size": 1},
+            "model_config": {"logprobs_mode": "processed_logprobs", **model},
+            "weight_transfer_config": config.get("weight_transfer_config"),
+        }
+        return {**own, "vllm_config": config, "brigade_proxy": self.info()}
 
     def health(self) -> tuple[bool, str]:
         if self.routable:
@@ -179,6 +243,8 @@ class Proxy:
         joining = self.membership.joining
         if joining:
             return False, f"replicas {sorted(joining)} are joining (loading adapters); none receives traffic yet"
+        if self.membership.ejected:
+            return False, f"every replica is ejected: {self.membership.ejected}"
         source = (
             f"replica_urls {self.config.replica_urls}"
             if self.static
@@ -186,8 +252,39 @@ class Proxy:
         )
         return False, f"no live replica in {source}"
 
+    def _live_metrics(self) -> dict[str, Any]:
+        f, m, router = self.forwarder, self.membership, self.router
+        return {
+            "decisions": router.decisions,
+            "inflight_requests": router.inflight_all(),
+            "inflight_tokens": router.load_all(),
+            "waiting": f.waiting,
+            "retries": f.retries,
+            "upstream_errors": f.upstream_errors,
+            "broken_answers": f.broken_answers,
+            "ejections": m.ejections,
+            "readmissions": m.readmissions,
+            "ejected": len(m.ejected),
+            "replicas": len(self.routable),
+            "known": len(self.routable) + len(m.joining),
+        }
+
     def render_metrics(self) -> bytes:
-        return self.metrics.render(self.router.inflight_all(), len(self.routable))
+        return self.metrics.render()
+
+    async def _snapshot_forever(self) -> None:
+        """A routing snapshot into the bucket every snapshot_s while there is traffic, for dashboards."""
+        last: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(self.config.snapshot_s)
+            status = self.routing_status()
+            decisions = status["decisions"]
+            delta = {k: v - last.get(k, 0) for k, v in decisions.items()}
+            last = dict(decisions)
+            if any(delta.values()) or any(status["inflight_requests"].values()):
+                await self.events.emit(
+                    ev.ROUTING_SNAPSHOT, interval_s=self.config.snapshot_s, decisions_delta=delta, **status
+                )
 
 
 # -- HTTP ------------------------------------------------------------------------
@@ -198,8 +295,6 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     # (path, HTTP method, handler kind)
     ("/health", "GET", "health"),
     ("/v1/models", "GET", "forward"),
-    ("/v1/completions", "POST", "generate"),
-    ("/v1/chat/completions", "POST", "generate"),
     ("/tokenize", "POST", "forward"),
     ("/detokenize", "POST", "forward"),
     ("/v1/load_lora_adapter", "POST", "load"),
@@ -227,6 +322,12 @@ def _handlers(proxy: Proxy) -> dict[str, Handler]:
         ok, reason = proxy.health()
         return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
 
+    async def forward(request: Request, path: str) -> Response:
+        body = await request.body()
+        return await proxy.forwarder.forward(
+            request.method, path, request.url.query, body, request.headers.get("content-type")
+        )
+
     async def load(request: Request, path: str) -> Response:
         return await proxy.load_adapter(await _json_body(request))
 
@@ -247,8 +348,7 @@ def _handlers(proxy: Proxy) -> dict[str, Handler]:
 
     return {
         "health": health,
-        "forward": proxy.forward,
-        "generate": proxy.generate,
+        "forward": forward,
         "load": load,
         "unload": unload,
         "broadcast": broadcast,
@@ -258,11 +358,100 @@ def _handlers(proxy: Proxy) -> dict[str, Handler]:
     }
 
 
-def _endpoint(handler: Handler, path: str) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(proxy: Proxy, handler: Handler, path: str) -> Callable[[Request], Awaitable[Response]]:
+    admin = path in ADMIN_PATHS
+
     async def endpoint(request: Request) -> Response:
+        if admin and not proxy.authorized(request.headers.get("authorization")):
+            return error_response(
+                401,
+                f"{path} needs the proxy's admin token: send 'Authorization: Bearer <{proxy.config.admin_token_env}>'",
+            )
         return await handler(request, path)
 
     return endpoint
+
+
+class _AsgiGeneration:
+    """The generation hot path for ASGI servers and clients (tests); the proxy's own server bypasses it."""
+
+    def __init__(self, proxy: Proxy, path: str) -> None:
+        self.proxy, self.path = proxy, path
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("method") != "POST":
+            await _send_whole(send, 405, b'{"detail":"Method Not Allowed"}')
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        sink = _AsgiSink()
+        task = asyncio.create_task(self.proxy.forwarder.generate(self.path, b"".join(chunks), sink))
+        try:
+            while True:
+                kind, *args = await sink.queue.get()
+                if kind == "start":
+                    status, headers, length = args
+                    if length is not None:
+                        headers = [*headers, (b"content-length", str(length).encode())]
+                    await send({"type": "http.response.start", "status": status, "headers": headers})
+                elif kind == "body":
+                    await send({"type": "http.response.body", "body": args[0], "more_body": True})
+                else:  # end, abort
+                    if kind == "abort":
+                        text = f"\n\nerror: the replica broke off its answer: {args[0]}".encode()
+                        await send({"type": "http.response.body", "body": text, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    break
+            await task
+        except BaseException:
+            task.cancel()
+            if sink.exchange is not None:
+                sink.exchange.cancel("the client left")
+            raise
+
+
+class _AsgiSink:
+    """Queues what the forwarder writes, for `_AsgiGeneration` to send."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.exchange: Any = None
+        self.started = False
+
+    def error(self, status: int, body: bytes) -> None:
+        self.start(status, [(b"content-type", b"application/json")], len(body))
+        self.body(body)
+        self.end()
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
+        self.started = True
+        self.queue.put_nowait(("start", status, headers, length))
+
+    def body(self, data: bytes) -> None:
+        self.queue.put_nowait(("body", data))
+
+    def end(self) -> None:
+        self.queue.put_nowait(("end",))
+
+    def abort(self, message: str) -> None:
+        self.queue.put_nowait(("abort", message))
+
+
+async def _send_whole(send: Any, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def create_app(proxy: Proxy) -> FastAPI:
@@ -278,10 +467,13 @@ def create_app(proxy: Proxy) -> FastAPI:
     app.state.proxy = proxy
     handlers = _handlers(proxy)
     for path, method, kind in ROUTES:
-        endpoint = _endpoint(handlers[kind], path)
+        endpoint = _endpoint(proxy, handlers[kind], path)
         # The names the routes had as functions before this table, so OpenAPI operation ids stay the same.
         name = path.strip("/").removeprefix("v1/").replace("/", "_")
         # TRL's clients call some endpoints with a trailing slash; a redirect would turn a POST into a failure.
         for p in (path, path + "/"):
             app.add_api_route(p, endpoint, methods=[method], name=name, include_in_schema=p == path)
+    for path in GENERATION_PATHS:
+        for p in (path, path + "/"):
+            app.router.add_route(p, _AsgiGeneration(proxy, path), methods=["POST"], include_in_schema=False)
     return app

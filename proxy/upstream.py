@@ -58,7 +58,7 @@ class Upstream:
 
     def __init__(self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
-        self._transport = transport  # tests put fake replicas here
+        self.transport = transport  # tests put fake replicas here (the hot path then goes through httpx too)
         self._client: httpx.AsyncClient | None = None
         key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -71,11 +71,10 @@ class Upstream:
 
     def open(self) -> None:
         # Enough connections for every admitted request, plus probes and adapter calls beside them.
-        limits = httpx.Limits(
-            max_connections=self.config.max_inflight + 64, max_keepalive_connections=self.config.max_inflight + 64
-        )
+        # Generations use their own pooled connections (pool.py); this client carries admin calls and probes.
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(
-            transport=self._transport, limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0)
+            transport=self.transport, limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0)
         )
 
     async def close(self) -> None:
@@ -83,16 +82,25 @@ class Upstream:
             await self._client.aclose()
             self._client = None
 
-    async def probe(self, info: ReplicaInfo, path: str, query: str = "") -> httpx.Response:
+    async def probe(
+        self, info: ReplicaInfo, path: str, query: str = "", timeout: float = PROBE_TIMEOUT_S
+    ) -> httpx.Response:
         """A GET with a short timeout: a replica too busy to answer it soon is treated as not answering."""
         url = f"{info.url}{path}" + (f"?{query}" if query else "")
-        return await self.client.get(url, headers=self.auth, timeout=PROBE_TIMEOUT_S)
+        return await self.client.get(url, headers=self.auth, timeout=timeout)
 
-    async def healthy(self, info: ReplicaInfo) -> bool:
+    async def healthy(self, info: ReplicaInfo, timeout: float = PROBE_TIMEOUT_S) -> bool:
+        return (await self.health_problem(info, timeout)) is None
+
+    async def health_problem(self, info: ReplicaInfo, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+        """None when /health answers 200 within `timeout`, else what went wrong."""
         try:
-            return (await self.probe(info, "/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
+            resp = await self.probe(info, "/health", timeout=timeout)
+        except httpx.TimeoutException:
+            return f"/health did not answer within {timeout:g}s"
+        except httpx.HTTPError as exc:
+            return f"/health failed ({type(exc).__name__}: {exc})"
+        return None if resp.status_code == 200 else f"/health answered {resp.status_code}"
 
     async def post(
         self, info: ReplicaInfo, path: str, body: Any = None, query: str = "", timeout: float | None = None

@@ -2,18 +2,35 @@
 
 No tokenizer lives here: prompts are tokenised by the replicas' own tokenizer
 (`/tokenize`), so the prompt ids the trainer sees are exactly what vLLM
-generated from. Completions are asked for one at a time (`n=1`) so the proxy
-can spread a group's samples over the replicas.
+generated from. Completions are asked for one at a time (`n=1`); the proxy
+keeps a group's siblings on one replica (they share its prompt's KV cache).
+
+A request that fails for a reason that can pass (the proxy could not reach a
+replica, a replica died mid-answer, a timeout) is sent again, with back-off,
+instead of losing the whole group; one that can never succeed (a 4xx: a bad
+body, an adapter that is not loaded) fails the group at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
 
 from bucket.rollouts import Sample, SamplingParams
+
+log = logging.getLogger("brigade.rollout")
+
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+MAX_ATTEMPTS = 6
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 8.0
+
+
+class GenerationFailed(RuntimeError):
+    """A completion that failed for good (or after every retry)."""
 
 
 class Generator:
@@ -34,33 +51,58 @@ class Generator:
                 body |= {"messages": prompt, "add_generation_prompt": True}
             else:
                 body |= {"prompt": prompt}
-            resp = await self.client.post("/tokenize", json=body)
-            resp.raise_for_status()
+            resp = await self._post("/tokenize", body)
             self.token_cache[key] = resp.json()["tokens"]
         text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
         return text, self.token_cache[key]
 
     async def completions(self, model: str, ids: list[int], n: int) -> list[Sample]:
-        return list(await asyncio.gather(*(self.one_completion(model, ids) for _ in range(n))))
+        """`n` completions; each is retried on its own, and a group fails only after every sibling has ended."""
+        results = await asyncio.gather(*(self.one_completion(model, ids) for _ in range(n)), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)  # type: ignore[arg-type]
 
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
         """One sampled completion with vLLM's logprob of each token (the trainer's importance-ratio denominator)."""
-        resp = await self.client.post(
-            "/v1/completions",
-            json={
-                "model": model,
-                "prompt": ids,
-                "max_tokens": self.max_completion_length,
-                "temperature": self.sampling.temperature,
-                "top_p": self.sampling.top_p,
-                "top_k": self.sampling.top_k,
-                "logprobs": 0,
-                "return_token_ids": True,
-                "n": 1,
-            },
-        )
-        if resp.status_code != 200:
-            raise RuntimeError(f"generation failed (HTTP {resp.status_code}): {resp.text[:300]}")
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": self.max_completion_length,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "top_k": self.sampling.top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "n": 1,
+        }
+        return self._sample(await self._post("/v1/completions", body))
+
+    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST through the proxy; a 5xx or no answer is sent again with back-off, a 4xx fails at once."""
+        delay = RETRY_FIRST_S
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                resp = await self.client.post(path, json=body)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code == 200:
+                    return resp
+                problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                if resp.status_code not in RETRY_STATUSES:
+                    raise GenerationFailed(f"{path} failed ({problem})")
+            if attempt == MAX_ATTEMPTS:
+                break
+            log.warning(
+                "%s failed (%s); retrying in %.1fs (attempt %d of %d)", path, problem, delay, attempt, MAX_ATTEMPTS
+            )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+        raise GenerationFailed(f"{path} failed after {MAX_ATTEMPTS} attempts (last: {problem})")
+
+    def _sample(self, resp: httpx.Response) -> Sample:
         choice = resp.json()["choices"][0]
         token_ids = choice.get("token_ids")
         logprobs = choice["logprobs"]["token_logprobs"]

@@ -640,23 +640,36 @@ def test_streaming_chat_tokenize_and_broadcasts(tmp_path):
     assert ("pause", {"mode": "keep"}) in fakes[0].calls
 
 
-def test_refused_connection_moves_to_another_replica(tmp_path):
-    """A refused connection is simulated by the transport; nothing was sent, so retrying elsewhere is safe."""
+def test_refused_connection_moves_to_another_replica_and_ejects(tmp_path):
+    """A refused connection is simulated by the transport; nothing was sent, so retrying elsewhere is safe.
+    The refusing replica is ejected at once, and re-admitted once it answers again."""
     store, manifest = make_store(tmp_path)
     fakes = [FakeReplica("r0"), FakeReplica("r1")]
 
     async def body():
-        async with running(store, manifest, config(fakes, refresh_s=60), fakes) as (proxy, client, transport):
+        async with running(store, manifest, config(fakes, refresh_s=0.1), fakes) as (proxy, client, transport):
             transport.down.add("r0")  # dies between two health probes
             for i in range(4):
                 resp = await client.post("/v1/completions", json={"model": "base", "prompt": list(range(i, i + 32))})
                 assert resp.status_code == 200 and resp.json()["served_by"] == "r1"
+            assert list(proxy.routable) == ["http://r1"] and "http://r0" in proxy.membership.ejected
             transport.down.add("r1")
             resp = await client.post("/v1/completions", json={"model": "base", "prompt": [1] * 32})
             assert resp.status_code == 503
-            assert proxy.router.inflight_all() == {"http://r0": 0, "http://r1": 0}
+            assert proxy.router.inflight_all() == {}
+            assert (await client.get("/health")).status_code == 503
+            transport.down.clear()
+            deadline = time.monotonic() + 10
+            while len(proxy.routable) < 2:
+                assert time.monotonic() < deadline, "the ejected replicas were never re-admitted"
+                await asyncio.sleep(0.05)
+            metrics = (await client.get("/metrics")).text
+            assert 'brigade_proxy_replica_ejections_total{cause="request",replica="http://r0"} 1.0' in metrics
+            assert 'brigade_proxy_retries_total{reason="connect"}' in metrics
 
     run(body())
+    kinds_ = kinds(store)
+    assert kinds_.count(events.REPLICA_EJECTED) == 2 and kinds_.count(events.REPLICA_READMITTED) == 2
 
 
 def test_max_inflight_caps_concurrent_requests(tmp_path):

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from proxy.routing import NEW, PREFIX_HIT, SPILL, CommonPrefix, PrefixRouter, text_block_hashes, token_block_hashes
+from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter, text_block_hashes, token_block_hashes
 
 TEMPLATE = list(range(1000, 1048))  # a 48-token "chat template" every prompt starts with (3 blocks of 16)
 
@@ -150,10 +150,12 @@ def test_text_prompts_route_by_bytes():
     assert r.shared_prefix_blocks(text=True) == len(system.encode()) // 64
 
 
-def test_short_prompt_has_no_signal():
+def test_short_prompt_groups_but_has_no_prefix_signal():
     r = router()
-    assert r.route_tokens("m", [1, 2, 3]).kind == NEW
-    assert r.route_tokens("m", [1, 2, 3]).kind == NEW
+    first = r.route_tokens("m", [1, 2, 3])
+    assert first.kind == NEW
+    assert (r.route_tokens("m", [1, 2, 3]).kind, first.matched_blocks) == (PREFIX_HIT, 0)  # a sibling follows
+    assert r.route_tokens("m", [1, 2, 4]).kind == NEW  # no full block in common: a new group, placed by load
 
 
 def test_block_memory_is_bounded():
@@ -164,13 +166,81 @@ def test_block_memory_is_bounded():
     assert r.route_tokens("m", prompt(19)).kind == PREFIX_HIT  # the most recent survive
 
 
-def test_common_prefix_waits_for_a_second_distinct_prompt():
-    cp = CommonPrefix()
-    assert cp.observe([1, 2, 3, 4]) == 0
-    assert cp.observe([1, 2, 3, 4]) == 0  # a sibling: still only one prompt
-    assert cp.observe([1, 2, 9]) == 2
-    assert cp.observe([1, 2, 3, 4, 5]) == 2  # never grows back
-    assert cp.observe([7]) == 0
+def test_off_template_prompt_does_not_cancel_the_discount():
+    """One prompt without the template must not make the template a routing signal again (per-link counts)."""
+    r = router(("r0", "r1"))
+    r.route_tokens("m", prompt(1))
+    r.route_tokens("m", prompt(2))
+    r.route_tokens("m", [5] * 64)  # off-template
+    for i in range(3, 11):
+        d = r.route_tokens("m", prompt(i))
+        assert d.kind == NEW, (i, d)
+        r.start(d)
+    assert r.shared_prefix_blocks() == 3
+
+
+def test_siblings_follow_the_group_while_it_is_within_its_allowance():
+    """The group's own requests never count against it: 8 siblings on an otherwise idle pair stay together."""
+    r = router(("r0", "r1"), spill_threshold=2)
+    seen = []
+    for _ in range(8):
+        d = r.route_tokens("m", prompt(1), max_tokens=64)
+        r.start(d)
+        seen.append((d.replica, d.kind))
+    assert {rid for rid, _ in seen} == {seen[0][0]}
+    assert [k for _, k in seen] == [NEW] + [PREFIX_HIT] * 7
+
+
+def test_a_spilled_group_moves_as_a_unit_and_keeps_its_block_owner():
+    r = router(("r0", "r1"), spill_threshold=2)
+    home = r.route_tokens("m", prompt(1)).replica
+    other = "r1" if home == "r0" else "r0"
+    for _ in range(3):
+        r.start(home)  # other work makes home 3 requests' worth ahead
+    d = r.route_tokens("m", prompt(1))
+    assert (d.replica, d.kind) == (other, SPILL)
+    r.start(d)
+    assert r.route_tokens("m", prompt(1)).replica == other  # the rest of the group follows
+    for _ in range(3):
+        r.finish(home)
+    # A longer prompt sharing prompt(1)'s blocks still goes to where those blocks were first computed.
+    r.route_tokens("m", prompt(2))  # teaches the template
+    cont = r.route_tokens("m", prompt(1) + list(range(40)))
+    assert (cont.replica, cont.kind) == (home, PREFIX_HIT)
+
+
+@pytest.mark.parametrize("holder_block, kind", [(16, PREFIX_HIT), (32, NEW)])
+def test_affinity_counts_only_whole_kv_blocks_of_the_holder(holder_block, kind):
+    """A replica with 32-token KV blocks caches only whole 32-token prefixes: 16 prompt tokens past a
+    32-token template are no prefix there."""
+    template = list(range(1000, 1032))
+    first = template + [7] * 16  # 48 tokens: template + one block of its own
+    r = PrefixRouter(block_size=16)
+    r.set_replicas({"holder": holder_block, "other": 16})
+    assert r.route_tokens("m", first, exclude={"other"}).replica == "holder"
+    r.route_tokens("m", template + [8] * 16, exclude={"holder"})  # teaches the template
+    d = r.route_tokens("m", first + [9] * 30)  # a continuation of `first`
+    assert d.kind == kind, d
+
+
+def test_n_per_request_costs_n_completions():
+    r = router(("r0", "r1"))
+    d = r.route_tokens("m", prompt(1), n=8, max_tokens=100)
+    r.start(d)
+    assert d.cost >= 8 * 100 - 1 or d.cost >= 8 * r.completion_tokens
+    e = r.route_tokens("m", prompt(2), n=1)
+    assert e.replica != d.replica  # the n=8 request weighs 8 completions
+
+
+def test_completion_lengths_teach_the_expected_cost():
+    r = router(("r0",))
+    before = r.completion_tokens
+    for _ in range(200):
+        d = r.route_tokens("m", prompt(1))
+        r.start(d)
+        r.finish(d, completion_tokens=20)
+    assert r.completion_tokens < before / 2
+    assert r.load_all() == {"r0": 0.0} and r.inflight_all() == {"r0": 0}
 
 
 @pytest.mark.parametrize("bad", [[-1] * 32, [2**40] * 32])

@@ -150,3 +150,72 @@ def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, 
     loaded = {e["replica"] for e in mine if e["kind"] == events.LOADED}
     assert loaded == {i.replica_id for i in infos}
     assert [e["kind"] for e in mine if e["kind"] != events.LOADED] == [events.LOADED_ALL, events.UNLOADED]
+
+
+def _adapter_and_canary(model_dir: str, out_dir: str, b_std: float, seed: int) -> tuple[dict[str, bytes], Any]:
+    """A rank-1 adapter whose B is drawn with `b_std` (0 = the base model), and its canary from the trainer's code."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bucket.manifest import RunSpec
+    from trainer.canary import compute_canary
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    spec = RunSpec()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules),
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, b_std) if b_std > 0 else p.zero_()
+    peft_model.save_pretrained(out_dir)
+    files = {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}
+    return files, compute_canary(peft_model)
+
+
+def test_probe_catches_a_replica_serving_the_base_under_the_adapters_name(vllm_replicas, model_dir, tmp_path):
+    """An early version (close to the base) is published with its canary; one replica already serves the BASE
+    weights under that version's name (a zero adapter loaded behind the proxy's back: the adapter silently never
+    applied). The proxy's probe must see it, load the version again there, and pass only once it is right."""
+    from bucket.canary import canary_meta
+
+    store, infos, manifest = vllm_replicas
+    version = adapters.next_version(store)
+    files, canary = _adapter_and_canary(model_dir, str(tmp_path / "early"), b_std=0.04, seed=1)
+    adapters.publish(store, version, files, meta=canary_meta(canary))
+    name = manifest.lora_name(version)
+    zero_files, _ = _adapter_and_canary(model_dir, str(tmp_path / "zero"), b_std=0.0, seed=2)
+    bad = infos[0]
+    resp = httpx.post(
+        f"{bad.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp_path / "zero")}, timeout=120
+    )
+    assert resp.status_code == 200, resp.text
+
+    async def body():
+        async with proxied(store, manifest) as (proxy, client):
+            ad = proxy.fanout  # the probe itself, on both replicas, before the load repairs anything
+            from proxy.lora_paths import AdapterRef
+
+            ref = AdapterRef(name, version, layout.version_dir(version), canary)
+            before = {i.replica_id: await ad.probe(i, ref) for i in infos}
+            resp = await client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": layout.adapter_key(version)}
+            )
+            assert resp.status_code == 200, resp.text
+            after = {i.replica_id: await ad.probe(i, ref) for i in infos}
+            await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            return before, after
+
+    before, after = asyncio.run(body())
+    print("canary gap", round(canary.gap(), 4), "before", before, "after", after)
+    assert canary.gap() < 0.06, "the test adapter must be close to the base (within ~2x the kernels' noise)"
+    assert before[bad.replica_id].result == "base_weights", before
+    assert before[infos[1].replica_id].result == "no_answer", before  # not loaded there yet
+    assert all(v.result == "pass" for v in after.values()), after
+    failed = [e for e in events.read_all(store) if e["kind"] == events.PROBE_FAILED and e.get("lora_name") == name]
+    assert [e["replica"] for e in failed] == [bad.replica_id] and failed[0]["result"] == "base_weights"

@@ -1,0 +1,602 @@
+"""What the proxy costs per forwarded request: loopback upstreams that answer at once, direct and through a proxy.
+
+    python -m benchmarks.proxy_overhead --json                       # direct, then brigade's proxy
+    python -m benchmarks.proxy_overhead --json --candidates brigade,aiohttp,uvicorn_aiohttp,fastapi_httpx
+    python -m benchmarks.proxy_overhead --json --src /tmp/old-tree   # brigade's proxy from another source tree
+
+Every part is its own process: the upstreams (one process serving `--upstreams`
+ports with a raw asyncio protocol that answers a vLLM-shaped completion at
+once), the load generator (raw asyncio protocol, `--concurrency` keep-alive
+connections, each sending its next request when the previous answer is
+complete; GRPO-shaped bodies: groups of 8 identical prompts of 64-200 token ids
+after a 23-token template), and the proxy. With `--pin` (2+ cores) the proxy
+is pinned to core 0 and the load generator and upstreams share core 1, in the
+direct run too: `rps` close to `direct_rps` then means the proxy keeps up with
+a whole core's worth of client and server work (on a machine shared with other
+work, pinning can starve the proxy instead; the default lets the scheduler
+place them). The load generator's own CPU share is reported
+(`loadgen_cpu_util`), with the upstreams' (`upstream_cpu_util_direct`) and the
+proxy's (`proxy_cpu_util`), so one can see which side is saturated.
+
+`cpu_ms_per_request`: CPU time (user + system) of the proxy's process and all
+its children over the load generator's run (warm-up included), divided by the
+requests sent in it.
+The last line of `--json` output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httptools
+import psutil
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57, 36, 3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+
+
+# -- upstreams: answer at once -------------------------------------------------------------------
+def _answer_body() -> bytes:
+    ids = list(range(300, 316))
+    return json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 0,
+            "model": "base",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": " 12345678",
+                    "token_ids": ids,
+                    "logprobs": {"token_logprobs": [-0.25] * len(ids), "tokens": ["x"] * len(ids)},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 120, "completion_tokens": len(ids), "total_tokens": 120 + len(ids)},
+        }
+    ).encode()
+
+
+class _Upstream(asyncio.Protocol):
+    ANSWER = _answer_body()
+    RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(ANSWER) + ANSWER
+    HEALTH = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_message_complete(self) -> None:
+        self.transport.write(self.RESPONSE if self.parser.get_method() == b"POST" else self.HEALTH)
+
+
+def serve_upstreams(ports: list[int], stack: str = "raw") -> None:
+    _loop()
+    if stack == "fastapi":  # vLLM's own stack (uvicorn + FastAPI), answering at once
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import Response
+
+        app = FastAPI()
+        answer = _Upstream.ANSWER
+
+        async def completions() -> Response:
+            return Response(answer, media_type="application/json")
+
+        async def health() -> Response:
+            return Response(b"{}", media_type="application/json")
+
+        app.add_api_route("/v1/completions", completions, methods=["POST"])
+        app.add_api_route("/health", health, methods=["GET"])
+
+        async def main_fastapi() -> None:
+            servers = [
+                uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=p, log_level="warning", access_log=False))
+                for p in ports
+            ]
+            tasks = [asyncio.create_task(s.serve()) for s in servers]
+            while not all(s.started for s in servers):
+                await asyncio.sleep(0.05)
+            print("ready", flush=True)
+            await asyncio.gather(*tasks)
+
+        asyncio.run(main_fastapi())
+        return
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for p in ports:
+            await loop.create_server(_Upstream, "127.0.0.1", p, backlog=1024)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# -- load generator ----------------------------------------------------------------------------
+def request_bodies(groups: int, seed: int = 0) -> list[bytes]:
+    """One completions body per group (its 8 siblings send the same bytes)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        ids = TEMPLATE + [rng.randrange(300, 40000) for _ in range(rng.randint(64, 200))]
+        body = {"model": "base", "prompt": ids, "max_tokens": 16, "temperature": 1.0, "logprobs": 0, "n": 1}
+        out.append(json.dumps({**body, "return_token_ids": True}).encode())
+    return out
+
+
+class _Client(asyncio.Protocol):
+    def __init__(self, gen: _LoadGen) -> None:
+        self.gen = gen
+        self.parser = httptools.HttpResponseParser(self)
+        self.t0 = 0.0
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.send()
+
+    def send(self) -> None:
+        req = self.gen.next_request()
+        if req is None:
+            self.transport.close()
+            return
+        self.t0 = time.perf_counter()
+        self.transport.write(req)
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        gen = self.gen
+        gen.latencies.append(time.perf_counter() - self.t0)
+        if self.parser.get_status_code() != 200:
+            gen.errors += 1
+        if len(gen.latencies) >= gen.total:
+            gen.done.set_result(None) if not gen.done.done() else None
+        self.send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gen.lost += 1
+        if self.gen.lost >= self.gen.concurrency and not self.gen.done.done():
+            self.gen.done.set_result(None)
+
+
+class _LoadGen:
+    def __init__(self, total: int, concurrency: int, bodies: list[bytes]) -> None:
+        self.total, self.concurrency = total, concurrency
+        self.requests = [
+            b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(b) + b
+            for b in bodies
+        ]
+        self.sent = 0
+        self.latencies: list[float] = []
+        self.errors = 0
+        self.lost = 0
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def next_request(self) -> bytes | None:
+        if self.sent >= self.total:
+            return None
+        req = self.requests[(self.sent // 8) % len(self.requests)]  # 8 siblings of a group in a row
+        self.sent += 1
+        return req
+
+
+def run_loadgen(targets: list[tuple[str, int]], total: int, concurrency: int, warmup: int) -> dict[str, Any]:
+    _loop()
+    bodies = request_bodies(max(64, total // 8 + 1))
+
+    async def phase(n: int) -> tuple[_LoadGen, float]:
+        gen = _LoadGen(n, concurrency, bodies)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        for i in range(concurrency):
+            host, port = targets[i % len(targets)]
+            await loop.create_connection(lambda: _Client(gen), host, port)
+        await gen.done
+        return gen, time.perf_counter() - t0
+
+    async def main() -> dict[str, Any]:
+        await phase(warmup)
+        cpu0 = time.process_time()
+        gen, wall = await phase(total)
+        cpu = time.process_time() - cpu0
+        lat = sorted(gen.latencies)
+        return {
+            "requests": len(lat),
+            "errors": gen.errors,
+            "wall_s": wall,
+            "rps": len(lat) / wall,
+            "p50_ms": 1000 * lat[len(lat) // 2],
+            "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            "cpu_util": cpu / wall,
+        }
+
+    return asyncio.run(main())
+
+
+# -- candidate proxies (plain forwarders, no routing) for the side-by-side comparison --------------
+def serve_candidate(name: str, port: int, upstreams: list[str]) -> None:
+    """A minimal forwarder built on one HTTP stack: round robin, body passed through."""
+    if name == "aiohttp":
+        _loop()
+        import aiohttp
+        from aiohttp import web
+
+        state = {"i": 0}
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            json.loads(body)  # every proxy must parse the body to route it
+            up = upstreams[state["i"] % len(upstreams)]
+            state["i"] += 1
+            async with request.app["session"].post(
+                up + request.path, data=body, headers={"content-type": "application/json"}
+            ) as r:
+                data = await r.read()
+                return web.Response(body=data, status=r.status, content_type="application/json")
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(text="{}")
+
+        async def on_startup(app: web.Application) -> None:
+            app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+        app = web.Application()
+        app.on_startup.append(on_startup)
+        app.router.add_post("/v1/completions", handle)
+        app.router.add_get("/health", health)
+        web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+        return
+    import uvicorn
+
+    if name == "uvicorn_aiohttp":
+        import aiohttp
+
+        session: dict[str, Any] = {}
+        state = {"i": 0}
+
+        async def asgi(scope: dict, receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "lifespan.startup":
+                        session["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+                        await send({"type": "lifespan.startup.complete"})
+                    elif msg["type"] == "lifespan.shutdown":
+                        await send({"type": "lifespan.shutdown.complete"})
+                        return
+            chunks = []
+            while True:
+                msg = await receive()
+                chunks.append(msg.get("body", b""))
+                if not msg.get("more_body"):
+                    break
+            body = b"".join(chunks)
+            if scope["method"] == "GET":
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+                await send({"type": "http.response.body", "body": b"{}"})
+                return
+            json.loads(body)
+            up = upstreams[state["i"] % len(upstreams)]
+            state["i"] += 1
+            async with session["s"].post(
+                up + scope["path"], data=body, headers={"content-type": "application/json"}
+            ) as r:
+                data = await r.read()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": r.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))],
+                }
+            )
+            await send({"type": "http.response.body", "body": data})
+
+        uvicorn.run(asgi, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", http="httptools")
+        return
+    if name == "fastapi_httpx":
+        # The stack brigade's proxy had before: uvicorn (its defaults), FastAPI, an httpx client.
+        import httpx
+        from fastapi import FastAPI, Request
+        from fastapi.responses import Response
+
+        app = FastAPI()
+        state = {"i": 0}
+        holder: dict[str, httpx.AsyncClient] = {}
+
+        def client() -> httpx.AsyncClient:
+            if "c" not in holder:
+                limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+                holder["c"] = httpx.AsyncClient(limits=limits)
+            return holder["c"]
+
+        async def completions(request: Request) -> Response:
+            body = await request.body()
+            json.loads(body)
+            up = upstreams[state["i"] % len(upstreams)]
+            state["i"] += 1
+            r = await client().post(up + "/v1/completions", content=body, headers={"content-type": "application/json"})
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+        completions.__annotations__["request"] = Request  # resolved here: this module has deferred annotations
+        completions.__annotations__["return"] = Response
+        app.post("/v1/completions")(completions)
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {}
+
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        return
+    raise SystemExit(f"unknown candidate {name!r}")
+
+
+# -- orchestration -------------------------------------------------------------------------------
+def _pin(pid: int, cores: set[int] | None) -> None:
+    if cores:
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            try:
+                p.cpu_affinity(sorted(cores))
+            except (psutil.Error, OSError):
+                pass
+
+
+def _cpu_seconds(pid: int) -> float:
+    total = 0.0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _wait_http(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    req = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(req)
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing healthy on port {port} after {timeout_s}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _loadgen_proc(targets: list[int], args: argparse.Namespace, cores: set[int] | None) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.proxy_overhead",
+        "--loadgen",
+        ",".join(map(str, targets)),
+        "--requests",
+        str(args.requests),
+        "--concurrency",
+        str(args.concurrency),
+        "--warmup",
+        str(args.warmup),
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    _pin(proc.pid, cores)
+    out, _ = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed ({proc.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _start_proxy(kind: str, port: int, upstream_urls: list[str], args: argparse.Namespace, bucket: str):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if kind.startswith("brigade"):
+        src = args.src or REPO_ROOT
+        env["PYTHONPATH"] = src
+        cmd = [
+            sys.executable,
+            "-m",
+            "proxy",
+            "--bucket.url",
+            bucket,
+            "--proxy.replica-urls",
+            ",".join(upstream_urls),
+            "--proxy.port",
+            str(port),
+            "--proxy.adapter-root",
+            "/tmp",
+            "--log-level",
+            "WARNING",
+        ]
+        return subprocess.Popen(cmd, cwd=src, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "benchmarks.proxy_overhead", "--serve-candidate", kind, "--port", str(port)]
+    cmd += ["--upstream-urls", ",".join(upstream_urls)]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def measure(kind: str, upstream_ports: list[int], args: argparse.Namespace, cores: dict[str, set[int] | None]):
+    urls = [f"http://127.0.0.1:{p}" for p in upstream_ports]
+    port = free_port()
+    with tempfile.TemporaryDirectory() as bucket:
+        if kind.startswith("brigade"):
+            sys.path.insert(0, REPO_ROOT)
+            from bucket import Store
+            from bucket.manifest import RunSpec, init_or_check
+
+            store = Store(bucket)
+            store.check_reachable(create=True)
+            init_or_check(store, RunSpec(), "bench")
+        proc = _start_proxy(kind, port, urls, args, bucket)
+        try:
+            _wait_http(port, proc)
+            time.sleep(1.0)  # replicas join (static list: first health probes)
+            _pin(proc.pid, cores["proxy"])
+            cpu0 = _cpu_seconds(proc.pid)
+            t0 = time.perf_counter()
+            res = _loadgen_proc([port], args, cores["client"])
+            cpu = _cpu_seconds(proc.pid) - cpu0
+            wall = time.perf_counter() - t0
+        finally:
+            _stop(proc)
+    # The proxy's CPU over the whole load-generator run (warm-up included), per request sent in it.
+    sent = args.requests + args.warmup
+    return {**res, "cpu_ms_per_request": 1000 * cpu / sent, "proxy_cpu_util": cpu / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2_000)
+    ap.add_argument("--upstreams", type=int, default=2)
+    ap.add_argument(
+        "--upstream-stack",
+        default="raw",
+        choices=["raw", "fastapi"],
+        help="raw: an asyncio protocol (the cheapest possible upstream); fastapi: uvicorn + FastAPI, vLLM's own stack",
+    )
+    ap.add_argument("--candidates", default="brigade", help="comma-separated: brigade, aiohttp, uvicorn_aiohttp, ...")
+    ap.add_argument("--src", default="", help="run brigade's proxy from this source tree instead (a before/after)")
+    ap.add_argument(
+        "--pin", action="store_true", help="pin the proxy to core 0, load generator and upstreams to core 1"
+    )
+    # internal: the processes the benchmark starts
+    ap.add_argument("--loadgen", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-upstreams", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-candidate", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--upstream-urls", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.loadgen:
+        targets = [("127.0.0.1", int(p)) for p in args.loadgen.split(",")]
+        print(json.dumps(run_loadgen(targets, args.requests, args.concurrency, args.warmup)))
+        return
+    if args.serve_upstreams:
+        serve_upstreams([int(p) for p in args.serve_upstreams.split(",")], args.upstream_stack)
+        return
+    if args.serve_candidate:
+        serve_candidate(args.serve_candidate, args.port, args.upstream_urls.split(","))
+        return
+
+    ncores = len(os.sched_getaffinity(0))
+    pin = args.pin and ncores >= 2
+    cores = {"proxy": {0}, "client": {1}} if pin else {"proxy": None, "client": None}
+    ports = [free_port() for _ in range(args.upstreams)]
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.proxy_overhead",
+            "--serve-upstreams",
+            ",".join(map(str, ports)),
+            "--upstream-stack",
+            args.upstream_stack,
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        up.stdout.readline()
+        _pin(up.pid, cores["client"])
+        cpu0 = _cpu_seconds(up.pid)
+        t0 = time.perf_counter()
+        direct = _loadgen_proc(ports, args, cores["client"])
+        up_util = (_cpu_seconds(up.pid) - cpu0) / (time.perf_counter() - t0)
+        runs = {}
+        for kind in [c.strip() for c in args.candidates.split(",") if c.strip()]:
+            runs[kind] = measure(kind, ports, args, cores)
+            print(f"# {kind}: {json.dumps(runs[kind])}", file=sys.stderr, flush=True)
+    finally:
+        _stop(up)
+    main_kind = "brigade" if "brigade" in runs else next(iter(runs))
+    m = runs[main_kind]
+    result = {
+        "proxy": main_kind + (f" (from {args.src})" if args.src else ""),
+        "upstream_stack": args.upstream_stack,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "rps": round(m["rps"], 1),
+        "direct_rps": round(direct["rps"], 1),
+        "rps_vs_direct": round(m["rps"] / direct["rps"], 3),
+        "cpu_ms_per_request": round(m["cpu_ms_per_request"], 4),
+        "added_ms_p50": round(m["p50_ms"] - direct["p50_ms"], 3),
+        "added_ms_p99": round(m["p99_ms"] - direct["p99_ms"], 3),
+        "errors": m["errors"],
+        "loadgen_cpu_util": round(m["cpu_util"], 3),
+        "direct_loadgen_cpu_util": round(direct["cpu_util"], 3),
+        "upstream_cpu_util_direct": round(up_util, 3),
+        "proxy_cpu_util": round(m["proxy_cpu_util"], 3),
+        "pinned": pin,
+        "candidates": {
+            k: {
+                "rps": round(v["rps"], 1),
+                "cpu_ms_per_request": round(v["cpu_ms_per_request"], 4),
+                "added_ms_p50": round(v["p50_ms"] - direct["p50_ms"], 3),
+                "added_ms_p99": round(v["p99_ms"] - direct["p99_ms"], 3),
+                "errors": v["errors"],
+            }
+            for k, v in runs.items()
+        },
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
