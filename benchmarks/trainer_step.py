@@ -1,12 +1,19 @@
-"""Benchmark: one GRPO optimizer step of the trainer on synthetic groups.
+"""Benchmark: one GRPO optimizer step of the trainer on synthetic groups, packed, against the old per-group step.
 
-    python -m benchmarks.trainer_step --json [--device cuda] [--groups 16] [--generations 8]
+    python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b] [--lengths fixed|longtail]
+        [--device cuda] [--groups N] [--token-budget T]
 
-Uses the real loss code (trainer/grpo.py) and a rank-1 LoRA on all linear
-layers of a SmolLM2-135M-shaped model. Weights are random unless
---model-path points at a model folder: speed does not depend on them, and a
-random model needs no files on a GPU machine. The last line is one JSON
-object: seconds per step, trained samples and tokens per second.
+The packed step is the trainer's (trainer/grpo.py `accumulate` on trainer/packing.py micro-batches, then clip
+and AdamW). The reference is the step brigade had before packing (`reference_step` below, kept unchanged: one
+group at a time, prompt KV cache shared by its completions, completions padded to the group's longest,
+full-vocabulary fp32 log-softmax), timed on the same data; `speedup_vs_unpacked` is its time over the packed
+step's. Weights are random (a model of the shape's config): speed does not depend on them.
+
+Lengths: `fixed` = --prompt-tokens + --completion-tokens for every sample; `longtail` (seed 0) = prompts
+uniform in 40-200 tokens, completions lognormal(0, 1) x 300 tokens clipped to [16, 2048] (to 512 on CPU).
+
+MFU = (4 x parameters x distinct tokens + 3 x causal attention forward FLOPs) / (step time x 989 TFLOP/s),
+distinct tokens counting a group's prompt once; GPU only. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -14,114 +21,307 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
-# SmolLM2-135M's shape (its config.json), so the benchmark runs anywhere without the model files.
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+# SmolLM2-135M's and Qwen2.5-1.5B's shapes (their config.json), so the benchmark runs anywhere without model files.
+SHAPES = {
+    "smollm2-135m": (
+        "llama",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the issue's MFU denominator
+
+
+# -- the step brigade had before packing, unchanged (trainer/grpo.py at commit fb6c38e) -------------------------
+@dataclass
+class StepStats:
+    loss: float = 0.0
+    ratio: float = 0.0  # mean exp(logp_trainer - logp_vllm) over completion tokens
+    clip_ratio: float = 0.0  # fraction of tokens whose ratio was clipped
+    kl: float = 0.0  # mean (ratio - 1) - log(ratio): k3 estimate of KL(vllm || trainer)
+    tokens: int = 0
+
+
+def group_advantages(rewards, eps: float = 1e-4):
+    std = rewards.std(unbiased=False)
+    return (rewards - rewards.mean()) / (std + eps)
+
+
+def group_logprobs(model, prompt_ids, completions, temperature, pad_id):
+    import torch
+
+    device = next(model.parameters()).device
+    g, width = len(completions), max(len(c) for c in completions)
+    comp = torch.full((g, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((g, width), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        comp[i, : len(c)] = torch.tensor(c)
+        mask[i, : len(c)] = True
+    comp, mask = comp.to(device), mask.to(device)
+    prompt = torch.tensor([prompt_ids], device=device)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    # the prompt's last position predicts every completion's first token ...
+    logits = out.logits[:, -1:].float().expand(g, 1, -1)
+    if width > 1:
+        # ... and completion position t predicts token t + 1
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(g)
+        attn = torch.cat([torch.ones((g, prompt.shape[1]), dtype=torch.long, device=device), mask.long()], dim=1)
+        rest = model(input_ids=comp[:, :-1], attention_mask=attn[:, :-1], past_key_values=cache, use_cache=True)
+        logits = torch.cat([logits, rest.logits.float()], dim=1)
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, comp[:, :, None]).squeeze(-1), mask
+
+
+def accumulate_group_loss(model, group, total_tokens, epsilon, temperature, pad_id, stats):
+    import torch
+
+    logp, comp = group_logprobs(
+        model, group.prompt_ids, [s.completion_ids or [pad_id] for s in group.samples], temperature, pad_id
+    )
+    old = torch.zeros_like(logp)
+    for i, s in enumerate(group.samples):
+        n = len(s.completion_ids)
+        comp[i, n:] = False
+        old[i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
+    adv = group_advantages(torch.tensor([s.reward for s in group.samples], dtype=torch.float32, device=logp.device))
+    log_ratio = (logp - old).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    a = adv[:, None]
+    unclipped = ratio * a
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = (per_token * comp).sum() / max(total_tokens, 1)
+    loss.backward()
+    with torch.no_grad():
+        r = ratio[comp]
+        stats.loss += loss.item()
+        stats.ratio += r.sum().item()
+        stats.clip_ratio += ((r < 1 - epsilon) | (r > 1 + epsilon)).sum().item()
+        stats.kl += ((r - 1) - log_ratio[comp]).sum().item()
+        stats.tokens += int(comp.sum().item())
+
+
+# -- data ----------------------------------------------------------------------------------------------------------
+def make_groups(args, vocab: int):
+    from bucket.rollouts import Sample, SamplingParams, ScoredGroup
+
+    rng = random.Random(0)
+    cap = 2048 if args.device.startswith("cuda") else 512
+    groups = []
+    for _ in range(args.groups):
+        if args.lengths == "longtail":
+            p = rng.randint(40, 200)
+            lengths = [min(max(int(rng.lognormvariate(0, 1) * 300), 16), cap) for _ in range(args.generations)]
+        else:
+            p, lengths = args.prompt_tokens, [args.completion_tokens] * args.generations
+        samples = [
+            Sample(
+                completion_ids=[rng.randrange(100, vocab) for _ in range(n)],
+                logprobs=[-2.0] * n,
+                text="",
+                reward=float(k % 2),  # every group has signal (none is skipped)
+            )
+            for k, n in enumerate(lengths)
+        ]
+        groups.append(
+            ScoredGroup(
+                prompt_id="b",
+                prompt="",
+                prompt_ids=[rng.randrange(100, vocab) for _ in range(p)],
+                adapter_version=0,
+                sampling=SamplingParams(temperature=1.0),
+                samples=samples,
+            )
+        )
+    return groups
+
+
+def flops(groups, n_params: int, hidden: int, layers: int) -> tuple[int, float]:
+    """Distinct tokens (a prompt once per group) and the issue's FLOP count for one step on them."""
+    tokens, pairs = 0, 0.0
+    for g in groups:
+        p = len(g.prompt_ids)
+        tokens += p + sum(len(s.completion_ids) for s in g.samples)
+        pairs += p * p / 2 + sum(len(s.completion_ids) * p + len(s.completion_ids) ** 2 / 2 for s in g.samples)
+    attention_fwd = 4 * hidden * layers * pairs  # QK^T and PV, 2 FLOPs per multiply-add, causal pairs
+    return tokens, 4 * n_params * tokens + 3 * attention_fwd
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--lengths", default="fixed", choices=["fixed", "longtail"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--model-path", default="", help="model folder; empty = random SmolLM2-135M-shaped weights")
-    p.add_argument("--groups", type=int, default=4, help="prompt groups per step")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bf16 on GPU")
+    p.add_argument("--groups", type=int, default=0, help="prompt groups per step; 0 = 16 on GPU, 4 on CPU")
     p.add_argument("--generations", type=int, default=8, help="completions per group")
-    p.add_argument("--prompt-tokens", type=int, default=45)
-    p.add_argument("--completion-tokens", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    p.add_argument("--prompt-tokens", type=int, default=45, help="--lengths fixed")
+    p.add_argument("--completion-tokens", type=int, default=16, help="--lengths fixed")
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=0,
+        help="tokens per micro-batch; 0 = 16384 on GPU, 1024 on CPU (the trainer's defaults)",
+    )
+    p.add_argument("--steps", type=int, default=5, help="timed packed steps (after two warm-ups on GPU, one on CPU)")
+    p.add_argument("--reference-steps", type=int, default=2, help="timed reference steps (after one warm-up); 0 = skip")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (implies --static)")
+    p.add_argument("--static", action="store_true", help="pad every micro-batch to the token budget (one shape)")
+    p.add_argument("--profile", default="", help="write a torch.profiler table of one packed step to this file")
     args = p.parse_args(argv)
+    gpu = args.device.startswith("cuda")
+    args.groups = args.groups or (16 if gpu else 4)
+    args.static = args.static or args.compile
+    budget = args.token_budget or (16384 if gpu else 1024)
 
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from peft.tuners.lora import LoraLayer
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from bucket.manifest import RunSpec
-    from bucket.rollouts import Sample, ScoredGroup
-    from trainer.grpo import StepStats, accumulate_group_loss
+    from trainer.grpo import LossConfig, accumulate, advantages, completions
+    from trainer.model import compile_layers, resolve_dtype, wrap_lora
+    from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, pack
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    if args.model_path:
-        base = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
-    else:
-        base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(dtype)
-    spec = RunSpec()
-    model = get_peft_model(
-        base,
-        LoraConfig(
-            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules, lora_dropout=0.0
-        ),
-    )
-    model.to(args.device).train()
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    family, shape = SHAPES[args.shape]
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    with device:
+        base = model_cls(config_cls(**shape)).to(dtype)
+    base.set_attn_implementation(PACKED_ATTENTION)
+    n_params = sum(q.numel() for q in base.parameters())
+    model = wrap_lora(base, RunSpec()).to(device).train()
+    if args.compile:
+        compile_layers(model)
+        args.reference_steps = 0
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
+    groups = make_groups(args, shape["vocab_size"])
+    tokens, step_flops = flops(groups, n_params, shape["hidden_size"], shape["num_hidden_layers"])
+    loss_cfg = LossConfig()
 
-    rng = random.Random(0)
-
-    def group() -> ScoredGroup:
-        prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
-        samples = [
-            Sample(
-                completion_ids=[rng.randrange(100, 40000) for _ in range(args.completion_tokens)],
-                logprobs=[-2.0] * args.completion_tokens,
-                text="",
-                reward=float(rng.random() < 0.5),
-            )
-            for _ in range(args.generations)
-        ]
-        return ScoredGroup(prompt_id="b", prompt="", prompt_ids=prompt, adapter_version=0, samples=samples)
-
-    groups = [group() for _ in range(args.groups)]
-    tokens = args.groups * args.generations * args.completion_tokens
-
-    def step() -> float:
-        if args.device.startswith("cuda"):
+    def sync() -> None:
+        if gpu:
             torch.cuda.synchronize()
+
+    def packed_step() -> float:
+        sync()
+        t0 = time.perf_counter()
+        advs, _ = advantages(groups, loss_cfg.scale_rewards)
+        micro = pack(completions(groups, advs, loss_cfg), budget, FLEX_BLOCK if gpu else 1, static=args.static)
+        opt.zero_grad(set_to_none=True)
+        sums = accumulate(model, [mb.to(device) for mb in micro], loss_cfg)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        torch.cat([sums, norm.reshape(1)]).tolist()  # the step's one read-back, as in the trainer
+        sync()
+        packed_step.micro_batches = len(micro)
+        return time.perf_counter() - t0
+
+    def reference_step() -> float:
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         stats = StepStats()
+        total = sum(len(s.completion_ids) for g in groups for s in g.samples)
         for g in groups:
-            accumulate_group_loss(model, g, tokens, 0.2, 1.0, 0, stats)
+            accumulate_group_loss(model, g, total, 0.2, 1.0, 0, stats)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
-    step()  # warm-up
-    times = [step() for _ in range(args.steps)]
-    s = statistics.median(times)
-    samples = args.groups * args.generations
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(2 if gpu else 1):
+        packed_step()  # warm-up (and, on GPU, compilation)
+    times = [packed_step() for _ in range(args.steps)]
+    step_s = statistics.median(times)
+    peak_gb = (
+        torch.cuda.max_memory_allocated() / 2**30 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            packed_step()
+        sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=80))
+
+    ref_s = None
+    if args.reference_steps:
+        # today's model setup: sdpa with its own masks, peft casting LoRA inputs to float32, no autocast
+        base.set_attn_implementation("sdpa")
+        for m in model.modules():
+            if isinstance(m, LoraLayer):
+                m.cast_input_dtype_enabled = True
+        reference_step()
+        ref_s = statistics.median(reference_step() for _ in range(args.reference_steps))
+        base.set_attn_implementation(PACKED_ATTENTION)
+
     result = {
         "benchmark": "trainer_step",
+        "shape": args.shape,
+        "lengths": args.lengths,
         "device": args.device,
-        "dtype": args.dtype,
+        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "dtype": str(dtype).removeprefix("torch."),
         "groups": args.groups,
         "generations": args.generations,
-        "prompt_tokens": args.prompt_tokens,
-        "completion_tokens": args.completion_tokens,
-        "step_s_median": s,
+        "tokens": tokens,
+        "token_budget": budget,
+        "micro_batches": packed_step.micro_batches,
+        "step_s": step_s,
         "step_s_min": min(times),
-        "samples_per_s": samples / s,
-        "completion_tokens_per_s": tokens / s,
+        "tok_s": tokens / step_s,
+        "mfu": step_flops / (step_s * PEAK_FLOPS) if gpu else None,
+        "peak_gb": peak_gb,
+        "reference_step_s": ref_s,
+        "reference_mfu": step_flops / (ref_s * PEAK_FLOPS) if gpu and ref_s else None,
+        "speedup_vs_unpacked": ref_s / step_s if ref_s else None,
+        "compile": args.compile,
+        "static": args.static,
+        "threads": torch.get_num_threads(),
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0

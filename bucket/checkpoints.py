@@ -30,7 +30,8 @@ class TrainerState(BaseModel):
     trained: list[str] = Field(default_factory=list, description="groups ('<shard key>#<i>') trained since `parent`")
     dropped_stale: list[str] = Field(default_factory=list, description="groups dropped as too stale since `parent`")
     skipped_zero_variance: list[str] = Field(
-        default_factory=list, description="groups whose rewards were all equal (no signal), never trained, since `parent`"
+        default_factory=list,
+        description="groups whose rewards were all equal (no signal), never trained, since `parent`",
     )
     invalid: list[str] = Field(default_factory=list, description="shards that failed validation, never trained")
     pending: list[str] = Field(default_factory=list, description="groups read but not yet trained (carried over)")

@@ -18,6 +18,21 @@ from bucket.store import Store
 from infra.config import Config
 
 
+def accuracy_curve(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Held-out accuracy per evaluated version, in the order evaluated, for the run's evaluation set (the last
+    one used, should a run have been evaluated on several); `t` = seconds since the run's first event."""
+    evals = [e for e in evs if e["kind"] == events.EVAL]
+    if not evals:
+        return []
+    t0 = evs[0]["ts"]
+    eval_set = evals[-1].get("eval_set")
+    return [
+        {"version": e["version"], "accuracy": e["accuracy"], "total": e["total"], "t": e["ts"] - t0, "ts": e["ts"]}
+        for e in evals
+        if e.get("eval_set") == eval_set
+    ]
+
+
 def summarize(store: Store) -> dict[str, Any]:
     evs = events.read_all(store)
     steps = [e for e in evs if e["kind"] == events.TRAIN_STEP]
@@ -55,6 +70,9 @@ def summarize(store: Store) -> dict[str, Any]:
     samples = sum(e["samples"] for e in steps)
     train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
     latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
+    curve = accuracy_curve(evs)
+    base = [c for c in curve if c["version"] == 0]
+    adapted = [c for c in curve if c["version"] > 0]
     return {
         "steps": len(steps),
         "trained_samples": samples,
@@ -74,6 +92,12 @@ def summarize(store: Store) -> dict[str, Any]:
         "groups_skipped_zero_variance": len(skipped),
         "groups_pending": len(lineage[-1].pending) if lineage else 0,
         "done": read_done(store) is not None,
+        "base_accuracy": base[-1]["accuracy"] if base else None,
+        "final_accuracy": max(adapted, key=lambda c: c["version"])["accuracy"] if adapted else None,
+        "final_accuracy_version": max(c["version"] for c in adapted) if adapted else None,
+        "accuracy_curve": curve,
+        "reward_curve": [{"step": e["step"], "reward": e["reward"], "ts": e["ts"]} for e in steps],
+        "reward_failures": sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
     }
 
 
@@ -91,6 +115,9 @@ def render(summary: dict[str, Any]) -> str:
         f"{summary['groups_dropped_stale']} dropped as stale, "
         f"{summary['groups_skipped_zero_variance']} skipped (equal rewards), "
         f"{summary['groups_pending']} read but untrained at the end",
+        f"held-out accuracy     base {f(summary.get('base_accuracy'))} -> final {f(summary.get('final_accuracy'))}"
+        f"  (version {summary.get('final_accuracy_version') or '-'}; greedy, {len(summary.get('accuracy_curve', []))} "
+        "evaluations)",
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s)",
         "  version  step  committed -> loaded on every replica   fan-out   replicas",
     ]

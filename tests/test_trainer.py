@@ -26,7 +26,10 @@ G = 4
 def base_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    # one thread, like the trainer under test (torch_threads 1): two OpenMP threads on a busy 2-core machine
+    # can make each of these tiny forwards take seconds
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _group(model, rng: random.Random, version: int) -> ScoredGroup:
@@ -68,11 +71,16 @@ def _config(bucket: str, model_dir: str, **trainer):
     return c.trainer, c.run, c.bucket
 
 
-def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_model):
+def _bucket(tmp_path) -> tuple[str, Store]:
     bucket = str(tmp_path / "bucket")
     store = Store(bucket)
     store.check_reachable(create=True)
     init_or_check(store, RunSpec(num_generations=G, max_staleness=2), "test")
+    return bucket, store
+
+
+def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_model):
+    bucket, store = _bucket(tmp_path)
     rng = random.Random(0)
     writer = ShardWriter(store, "w0")
     for _ in range(3):
@@ -123,3 +131,35 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="prepare-model"):
         run_trainer(*_config(str(tmp_path / "b"), str(tmp_path / "no-model"), max_steps=1))
+
+
+def test_zero_variance_groups_are_skipped_and_ledgered(tmp_path, model_dir, base_model):
+    """Groups whose rewards are all equal get no forward pass: listed in the checkpoint, counted in the event."""
+    bucket, store = _bucket(tmp_path)
+    rng = random.Random(1)
+    flat = _group(base_model, rng, 0)
+    flat.samples = [s.model_copy(update={"reward": 1.0}) for s in flat.samples]
+    flat_too = flat.model_copy(update={"prompt_id": "flat2"})
+    writer = ShardWriter(store, "w0")
+    writer.write([flat, _group(base_model, rng, 0)])  # step 1: one group skipped, one trained
+    writer.write([flat, flat_too])  # step 2: nothing to train
+
+    assert run_trainer(*_config(bucket, model_dir, max_steps=2)) == 0
+    steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
+    assert [e["skipped_zero_variance"] for e in steps] == [1, 2]
+    assert [e["frac_reward_zero_std"] for e in steps] == [0.5, 1.0]
+    assert steps[0]["samples"] == G and steps[1]["samples"] == 0
+    for name in ("ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "reward", "reward_std"):
+        assert name in steps[0], name
+    assert steps[0]["entropy"] > 0 and abs(steps[0]["ratio"] - 1.0) < 1e-3
+
+    lineage = checkpoints.lineage(store)
+    shard = f"{layout.ROLLOUTS}/w0/000000/{{:012d}}.json#{{}}".format
+    assert [g for s in lineage for g in s.trained] == [shard(0, 1)]
+    assert sorted(g for s in lineage for g in s.skipped_zero_variance) == [shard(0, 0), shard(1, 0), shard(1, 1)]
+    assert lineage[-1].groups_skipped_zero_variance == 3 and lineage[-1].groups_trained == 1
+    # a step with nothing to train leaves the adapter as it was
+    from safetensors.torch import load as load_st
+
+    before, after = (load_st(adapters.read_verified(store, v)["adapter_model.safetensors"]) for v in (2, 3))
+    assert all(torch.equal(before[k], after[k]) for k in before)

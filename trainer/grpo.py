@@ -1,112 +1,193 @@
-"""The GRPO loss on vLLM-generated groups, with the importance ratio against vLLM's logprobs.
+"""The GRPO loss on vLLM-generated groups, off-policy-safe, with TRL's names and meanings.
 
-Rollouts come from an adapter version that may be a few versions behind the
-trainer's weights, so every token's loss is weighted by
-ratio = exp(logp_trainer - logp_vllm) and clipped to [1 - epsilon, 1 + epsilon]
-(PPO-style) so that a stale token cannot move the policy far. `ratio` is
-logged: with a small staleness window it should sit near 1.000.
+Rollouts come from an adapter version a few versions behind the trainer's
+weights, and vLLM's numerics differ from the trainer's, so every token is
+weighted by the importance ratio against the behaviour policy (vLLM's logprob
+of the token, recorded in the shard):
+
+    r = exp(logp_trainer - logp_vllm)                        (logged as `ratio`)
+    loss_t = -min(min(r, delta) * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)
+
+This is TRL's GRPO loss with the behaviour policy as the old policy (as TRL's
+AsyncGRPOTrainer does), and `delta` its two-sided clipping: the importance
+ratio is truncated at `delta` in the unclipped term. For a positive advantage
+the PPO clip already stops the gradient above 1 + epsilon_high; for a negative
+advantage, where nothing else bounds it, a token whose ratio exceeds `delta`
+contributes delta * |A| and no gradient (the dual clip). With `beta` > 0 the
+k3 estimate of KL(trainer || base model) is added per token, the base model
+being the same weights with the adapter disabled.
+
+The per-token losses are summed with a weight per token that makes the sum the
+step's loss under `loss_type` (TRL's meanings, over the whole step rather than
+one micro-batch): `grpo` averages each sequence's token mean over sequences,
+`dapo` averages over all tokens of the step, `dr_grpo` divides by
+sequences x `max_completion_length`. Groups whose rewards are all equal have
+zero advantage everywhere: they are skipped before any forward pass and count
+in no denominator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 
 from bucket.rollouts import ScoredGroup
+from trainer.packing import Completion, MicroBatch, packed_logprobs
+
+LossType = Literal["grpo", "dapo", "dr_grpo"]
+ScaleRewards = Literal["group", "batch", "none"]
+LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: far past any clip, and never inf (inf * 0 gradients are NaN)
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """Rewards normalised within the group; a group whose completions all score alike teaches nothing."""
-    std = rewards.std(unbiased=False)
-    return (rewards - rewards.mean()) / (std + eps)
+@dataclass(frozen=True)
+class LossConfig:
+    loss_type: LossType = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0  # 0 = epsilon
+    delta: float = 3.0  # 0 = no cap on the unclipped ratio
+    beta: float = 0.0
+    scale_rewards: ScaleRewards = "group"
+    max_completion_length: int = 512  # dr_grpo's constant denominator
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> LossConfig:
+        """From the [trainer] table (TrainerConfig has a field of the same name for each)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon_high or self.epsilon
 
 
-@dataclass
-class StepStats:
-    loss: float = 0.0
-    ratio: float = 0.0  # mean exp(logp_trainer - logp_vllm) over completion tokens
-    clip_ratio: float = 0.0  # fraction of tokens whose ratio was clipped
-    kl: float = 0.0  # mean (ratio - 1) - log(ratio): k3 estimate of KL(vllm || trainer)
-    tokens: int = 0
+def _std(x: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected, as TRL's nanstd; 0 for a single value."""
+    return x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
 
 
-def group_logprobs(
-    model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]], temperature: float, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p of every completion token, [G, C], and the mask of real (unpadded) tokens.
-
-    Every completion of a group continues the same prompt, so the prompt goes
-    through the model once and its KV cache is shared by the G completions
-    (the autograd graph runs through the cache, so the LoRA weights still learn
-    through the prompt positions). With ~45 prompt and 16 completion tokens
-    that is 2.5x less work than G full rows, with the same logprobs and
-    gradients (checked to 1e-4).
-    """
-    device = next(model.parameters()).device
-    g, width = len(completions), max(len(c) for c in completions)
-    comp = torch.full((g, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((g, width), dtype=torch.bool)
-    for i, c in enumerate(completions):
-        comp[i, : len(c)] = torch.tensor(c)
-        mask[i, : len(c)] = True
-    comp, mask = comp.to(device), mask.to(device)
-    prompt = torch.tensor([prompt_ids], device=device)
-    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    # the prompt's last position predicts every completion's first token ...
-    logits = out.logits[:, -1:].float().expand(g, 1, -1)
-    if width > 1:
-        # ... and completion position t predicts token t + 1
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(g)
-        attn = torch.cat([torch.ones((g, prompt.shape[1]), dtype=torch.long, device=device), mask.long()], dim=1)
-        rest = model(input_ids=comp[:, :-1], attention_mask=attn[:, :-1], past_key_values=cache, use_cache=True)
-        logits = torch.cat([logits, rest.logits.float()], dim=1)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, comp[:, :, None]).squeeze(-1), mask
+def advantages(groups: list[ScoredGroup], scale_rewards: ScaleRewards) -> tuple[list[torch.Tensor], list[bool]]:
+    """Per-sample advantages of each group, and whether the group's rewards have zero variance (TRL's rules)."""
+    rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float64) for g in groups]
+    batch_std = _std(torch.cat(rewards)) if rewards else torch.zeros(())
+    out, zero = [], []
+    for r in rewards:
+        std = _std(r)
+        zero.append(bool(torch.isclose(std, torch.zeros((), dtype=std.dtype))))
+        a = r - r.mean()
+        if scale_rewards != "none":
+            a = a / ((std if scale_rewards == "group" else batch_std) + 1e-4)
+        out.append(a)
+    return out, zero
 
 
-def accumulate_group_loss(
-    model: torch.nn.Module,
-    group: ScoredGroup,
-    total_tokens: int,
-    epsilon: float,
-    temperature: float,
-    pad_id: int,
-    stats: StepStats,
-) -> None:
-    """Backward the group's share of the token-mean loss over the whole step (one group at a time keeps memory flat)."""
-    # an empty completion (immediate EOS is still one token, so this is only defensive) gets a masked-out pad
-    logp, comp = group_logprobs(
-        model, group.prompt_ids, [s.completion_ids or [pad_id] for s in group.samples], temperature, pad_id
-    )
-    old = torch.zeros_like(logp)
-    for i, s in enumerate(group.samples):
-        n = len(s.completion_ids)
-        comp[i, n:] = False
-        old[i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
-    adv = group_advantages(torch.tensor([s.reward for s in group.samples], dtype=torch.float32, device=logp.device))
-    log_ratio = (logp - old).clamp(-20, 20)
-    ratio = torch.exp(log_ratio)
-    a = adv[:, None]
-    unclipped = ratio * a
-    clipped = ratio.clamp(1 - epsilon, 1 + epsilon) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    loss = (per_token * comp).sum() / max(total_tokens, 1)
-    loss.backward()
+def completions(
+    groups: list[ScoredGroup], advs: list[torch.Tensor], cfg: LossConfig
+) -> list[tuple[list[int], list[Completion]]]:
+    """The groups as packing input, each token weighted so that the weighted sum is the step's loss."""
+    lengths = [len(s.completion_ids) for g in groups for s in g.samples if s.completion_ids]
+    n_seq, n_tok = max(len(lengths), 1), max(sum(lengths), 1)
+
+    def weight(n: int) -> float:
+        if cfg.loss_type == "grpo":
+            return 1.0 / (n_seq * n)
+        if cfg.loss_type == "dapo":
+            return 1.0 / n_tok
+        return 1.0 / (n_seq * cfg.max_completion_length)
+
+    out = []
+    for g, adv in zip(groups, advs):
+        t = g.sampling.temperature
+        inv_t = 1.0 / t if t > 0 else 1.0  # greedy: vLLM's logprobs are the untempered ones
+        cs = [
+            Completion(s.completion_ids, s.logprobs, float(a), weight(len(s.completion_ids)), inv_t)
+            for s, a in zip(g.samples, adv)
+            if s.completion_ids
+        ]
+        if cs:
+            out.append((g.prompt_ids, cs))
+    return out
+
+
+# Sums kept on the device over a step, read back once at its end.
+SUMS = ("tokens", "loss", "ratio", "kl", "entropy", "low", "high", "dual", "ref_kl")
+
+
+def token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    cfg: LossConfig,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss (see the module docstring) and per-token indicators for the metrics."""
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    coef_1 = torch.exp(log_ratio)
+    coef_2 = coef_1.clamp(1 - cfg.epsilon, 1 + cfg.eps_high)
+    truncated = coef_1.clamp(max=cfg.delta) if cfg.delta else coef_1
+    loss = -torch.minimum(truncated * adv, coef_2 * adv)
     with torch.no_grad():
-        r = ratio[comp]
-        stats.loss += loss.item()
-        stats.ratio += r.sum().item()
-        stats.clip_ratio += ((r < 1 - epsilon) | (r > 1 + epsilon)).sum().item()
-        stats.kl += ((r - 1) - log_ratio[comp]).sum().item()
-        stats.tokens += int(comp.sum().item())
+        r = coef_1.detach()
+        parts = {
+            "ratio": r,
+            "kl": (r - 1) - log_ratio.detach(),  # k3 estimate of KL(behaviour || trainer), as TRL's async trainer
+            "low": ((r < 1 - cfg.epsilon) & (adv < 0)).float(),
+            "high": ((r > 1 + cfg.eps_high) & (adv > 0)).float(),
+            "dual": ((r > cfg.delta) & (adv < 0)).float() if cfg.delta else torch.zeros_like(r),
+        }
+    if ref_logp is not None:
+        d = ref_logp - logp
+        ref_kl = torch.exp(d) - d - 1  # k3 estimate of KL(trainer || base), TRL's per_token_kl
+        loss = loss + cfg.beta * ref_kl
+        parts["ref_kl"] = ref_kl.detach()
+    return loss, parts
 
 
-def finish(stats: StepStats) -> StepStats:
-    n = max(stats.tokens, 1)
-    stats.ratio /= n
-    stats.clip_ratio /= n
-    stats.kl /= n
-    return stats
+def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], cfg: LossConfig) -> torch.Tensor:
+    """Forward and backward every micro-batch (gradients accumulate); returns the SUMS on the device, unsynced."""
+    sums = None
+    for mb in micro_batches:
+        logp, entropy = packed_logprobs(model, mb)
+        ref = None
+        if cfg.beta:
+            with torch.no_grad(), model.disable_adapter():
+                ref, _ = packed_logprobs(model, mb)
+        per_token, parts = token_loss(logp, mb.old_logprobs, mb.advantages, cfg, ref)
+        loss = (per_token * mb.weights).sum()
+        loss.backward()
+        zero = torch.zeros((), device=logp.device)
+        row = torch.stack(
+            [
+                torch.full((), float(logp.numel()), device=logp.device),
+                loss.detach(),
+                parts["ratio"].sum(),
+                parts["kl"].sum(),
+                entropy.detach().sum(),
+                parts["low"].sum(),
+                parts["high"].sum(),
+                parts["dual"].sum(),
+                parts["ref_kl"].sum() if "ref_kl" in parts else zero,
+            ]
+        )
+        sums = row if sums is None else sums + row
+    return sums if sums is not None else torch.zeros(len(SUMS), device=next(model.parameters()).device)
+
+
+def metrics(sums: list[float], beta: float) -> dict[str, float]:
+    """TRL's metric names, as token means over the step."""
+    s = dict(zip(SUMS, sums))
+    n = max(s["tokens"], 1.0)
+    out = {
+        "loss": s["loss"],
+        "ratio": s["ratio"] / n if s["tokens"] else 1.0,
+        "kl": s["kl"] / n,
+        "entropy": s["entropy"] / n,
+        "clip_ratio/low_mean": s["low"] / n,
+        "clip_ratio/high_mean": s["high"] / n,
+        "clip_ratio/region_mean": (s["low"] + s["high"]) / n,
+        "clip_ratio/dual_mean": s["dual"] / n,
+        "tokens": int(s["tokens"]),
+    }
+    if beta:
+        out["ref_kl"] = s["ref_kl"] / n
+    return out

@@ -8,6 +8,7 @@ server's URL: the bucket is its only interface.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -15,8 +16,11 @@ import torch
 
 from bucket import layout, progress
 from bucket.manifest import RunSpec, init_or_check
+from bucket.rollouts import GroupId, ScoredGroup
 from bucket.settings import BucketConfig, open_bucket
+from bucket.store import Store
 from trainer.config import TrainerConfig
+from trainer.distributed import DataParallel
 from trainer.model import check_model_dir
 from trainer.trainer import Trainer
 
@@ -26,21 +30,50 @@ log = logging.getLogger("brigade.trainer")
 def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     store = open_bucket(bucket, create=True)
     check_model_dir(settings.model_path)
-    manifest = init_or_check(store, spec, "trainer")
+    dp = DataParallel(cpu=settings.device == "cpu")  # world size 1 unless started by a launcher
+    if dp.is_main:
+        manifest = init_or_check(store, spec, "trainer")  # creates run.json on a new run
+    dp.barrier()
+    if not dp.is_main:
+        manifest = init_or_check(store, spec, "trainer")
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     torch.manual_seed(settings.seed)
 
-    trainer = Trainer(settings, store, manifest)
-    resumed = trainer.resume()
-    if trainer.step < settings.max_steps:
-        progress.clear_done(store)  # resuming a finished run with a larger max_steps
-    if not resumed:
-        trainer.publish()  # version 1 = the untrained adapter (B = 0), so every rollout goes through an adapter
+    trainer = Trainer(settings, store, manifest, dp)
+    resumed = trainer.resume()  # every rank, from the same checkpoint ...
+    dp.barrier()  # ... before rank 0 writes anything
+    if dp.is_main:
+        if trainer.step < settings.max_steps:
+            progress.clear_done(store)  # resuming a finished run with a larger max_steps
+        if not resumed:
+            trainer.publish()  # version 1 = the untrained adapter (B = 0), so every rollout goes through an adapter
 
     trainer.model.train()
-    started = last_data = time.monotonic()
+    started = time.monotonic()
     while trainer.step < settings.max_steps:
+        # rank 0 reads the bucket; every rank trains its share of the same batch
+        batch = decode_batch(dp.broadcast_text(encode_batch(next_batch(trainer, store)) if dp.is_main else None))
+        trainer.train_step(batch)
+        if dp.is_main and (trainer.step % settings.weight_sync_steps == 0 or trainer.step == settings.max_steps):
+            trainer.publish()
+
+    if dp.is_main:
+        trainer.mark_done()
+    log.info(
+        "done: %d steps, final adapter %s, %.0fs",
+        trainer.step,
+        layout.version_dir(trainer.version),
+        time.monotonic() - started,
+    )
+    return 0
+
+
+def next_batch(trainer: Trainer, store: Store) -> list[tuple[GroupId, ScoredGroup]]:
+    """The next step's groups, once the bucket has them."""
+    settings = trainer.settings
+    last_data = time.monotonic()
+    while True:
         if not trainer.fill():
             if time.monotonic() - last_data > settings.rollout_wait_s:
                 raise RuntimeError(
@@ -51,17 +84,13 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
             continue
         last_data = time.monotonic()
         batch = trainer.take_batch()
-        if batch is None:
-            continue
-        trainer.train_step(batch)
-        if trainer.step % settings.weight_sync_steps == 0 or trainer.step == settings.max_steps:
-            trainer.publish()
+        if batch is not None:
+            return batch
 
-    trainer.mark_done()
-    log.info(
-        "done: %d steps, final adapter %s, %.0fs",
-        trainer.step,
-        layout.version_dir(trainer.version),
-        time.monotonic() - started,
-    )
-    return 0
+
+def encode_batch(batch: list[tuple[GroupId, ScoredGroup]]) -> str:
+    return json.dumps([[str(gid), group.model_dump(mode="json")] for gid, group in batch])
+
+
+def decode_batch(text: str) -> list[tuple[GroupId, ScoredGroup]]:
+    return [(GroupId.parse(gid), ScoredGroup(**group)) for gid, group in json.loads(text)]

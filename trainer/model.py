@@ -14,12 +14,14 @@ import tempfile
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import load, save
 from transformers import AutoModelForCausalLM
 
 from bucket import adapters
-from bucket.manifest import RunManifest
+from bucket.manifest import RunManifest, RunSpec
 from bucket.settings import ConfigError
+from trainer.packing import PACKED_ATTENTION
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 
@@ -32,12 +34,29 @@ def check_model_dir(path: str) -> None:
         )
 
 
-def build_model(model_path: str, dtype: str, manifest: RunManifest) -> PeftModel:
-    base = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=getattr(torch, dtype))
+def resolve_device(device: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    return (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype == "auto" else getattr(torch, dtype)
+
+
+def build_model(model_path: str, dtype: str, manifest: RunManifest, device: str = "cpu") -> PeftModel:
+    """The base model with the run's LoRA, on `device`, running packed rows (trainer/packing.py)."""
+    dev = resolve_device(device)
+    base = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=resolve_dtype(dtype, dev), attn_implementation=PACKED_ATTENTION
+    )
+    return wrap_lora(base, manifest).to(dev)
+
+
+def wrap_lora(base: torch.nn.Module, spec: RunSpec) -> PeftModel:
+    """The run's LoRA (rank, alpha, target modules from the run spec) on a base model."""
     lora = LoraConfig(
-        r=manifest.lora_rank,
-        lora_alpha=manifest.lora_alpha,
-        target_modules=manifest.lora_target_modules,
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha,
+        target_modules=spec.lora_target_modules,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -47,7 +66,21 @@ def build_model(model_path: str, dtype: str, manifest: RunManifest) -> PeftModel
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    if base.dtype != torch.float32:
+        # The forward then runs under autocast (packed_logprobs): peft's cast of every LoRA input to float32
+        # would only be cast back, a copy of the activations per linear layer.
+        for m in model.modules():
+            if isinstance(m, LoraLayer):
+                m.cast_input_dtype_enabled = False
     return model
+
+
+def compile_layers(model: PeftModel) -> None:
+    """torch.compile each decoder layer (fuses the LoRA and normalisation element-wise work); rows must then be
+    of one length (packing's `static`), or every new length compiles again."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a few row lengths
+    for layer in model.get_base_model().base_model.layers:
+        layer.compile()
 
 
 def adapter_files(model: PeftModel) -> dict[str, bytes]:

@@ -20,35 +20,46 @@ from bucket.manifest import RunManifest
 from bucket.rollouts import GroupId, ScoredGroup
 from bucket.store import Store
 from trainer.buffer import RolloutBuffer
+from trainer.canary import canary_fields
 from trainer.config import TrainerConfig
-from trainer.grpo import StepStats, accumulate_group_loss, finish
+from trainer.distributed import DataParallel
+from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics
 from trainer.model import (
     OPTIMIZER_FILE,
     adapter_files,
     build_model,
+    compile_layers,
     load_adapter_weights,
     load_optimizer,
     optimizer_bytes,
 )
+from trainer.packing import FLEX_BLOCK, pack
 
 log = logging.getLogger("brigade.trainer")
 
 
 class Trainer:
-    def __init__(self, settings: TrainerConfig, store: Store, manifest: RunManifest):
+    def __init__(self, settings: TrainerConfig, store: Store, manifest: RunManifest, dp: DataParallel | None = None):
         self.settings, self.store, self.manifest = settings, store, manifest
+        self.dp = dp or DataParallel(cpu=settings.device == "cpu")
         self.events = EventLog(store, "trainer")
-        self.model = build_model(settings.model_path, settings.dtype, manifest)
+        device = str(self.dp.device) if self.dp.world > 1 else settings.device  # one GPU per rank
+        self.model = build_model(settings.model_path, settings.dtype, manifest, device)
+        self.device = next(self.model.parameters()).device
+        self.static = settings.compile and self.device.type == "cuda"
+        if self.static:
+            compile_layers(self.model)
+        self.loss = LossConfig.from_settings(settings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
-        pad = self.model.config.pad_token_id
-        self.pad_id = pad if pad is not None else 0
         self.buffer = RolloutBuffer(store, manifest.max_staleness)
         self.version = 0  # the last version published (0 = nothing yet)
         self.step = 0
         self.trained: list[GroupId] = []  # since the last checkpoint
+        self.skipped: list[GroupId] = []  # zero reward variance, since the last checkpoint
         self.groups_trained = 0  # over the whole run, up to the last checkpoint
         self.groups_dropped_stale = 0
+        self.groups_skipped = 0
 
     # -- resume ---------------------------------------------------------------
     def resume(self) -> bool:
@@ -61,6 +72,7 @@ class Trainer:
         self.buffer.restore(state)
         self.version, self.step = state.version, state.step
         self.groups_trained, self.groups_dropped_stale = state.groups_trained, state.groups_dropped_stale
+        self.groups_skipped = state.groups_skipped_zero_variance
         log.info("resumed from checkpoint %s at step %d", layout.version_dir(state.version), state.step)
         return True
 
@@ -93,51 +105,69 @@ class Trainer:
         return batch
 
     def train_step(self, batch: list[tuple[GroupId, ScoredGroup]]) -> dict[str, Any]:
-        """One optimizer step on whole groups; returns the step's metrics (also written as an event)."""
+        """One optimizer step on whole groups; returns the step's metrics (also written as an event).
+
+        Groups whose rewards are all equal carry no signal: they are set aside before any forward pass
+        (recorded in the checkpoint as skipped). The rest are packed into token-budget micro-batches
+        whose gradients accumulate (shared among the ranks when data-parallel, then summed); the
+        device is read back once, after the optimizer step.
+        """
         t0 = time.monotonic()
         groups = [g for _, g in batch]
-        total_tokens = sum(len(s.completion_ids) for g in groups for s in g.samples)
-        stats = StepStats()
-        self.optimizer.zero_grad(set_to_none=True)
-        for g in groups:
-            accumulate_group_loss(
-                self.model, g, total_tokens, self.settings.epsilon, g.sampling.temperature, self.pad_id, stats
-            )
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm).item()
-        self.optimizer.step()
-        self.step += 1
-        self.trained.extend(gid for gid, _ in batch)
-        metrics = self._metrics(groups, finish(stats), grad_norm, time.monotonic() - t0)
-        self.events.emit(events.TRAIN_STEP, **metrics)
-        log.info(
-            "step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  %.2fs",
-            self.step,
-            metrics["reward"],
-            metrics["ratio"],
-            metrics["clip_ratio"],
-            metrics["loss"],
-            metrics["sample/staleness_mean"],
-            metrics["perf/step_s"],
+        advs, zero = advantages(groups, self.loss.scale_rewards)
+        keep = [i for i, z in enumerate(zero) if not z]
+        pad = FLEX_BLOCK if self.device.type == "cuda" else 1
+        micro = pack(
+            completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss),
+            self.settings.token_budget or (16384 if self.device.type == "cuda" else 1024),
+            pad,
+            static=self.static,
         )
-        return metrics
-
-    def _metrics(self, groups: list[ScoredGroup], stats: StepStats, grad_norm: float, step_s: float) -> dict[str, Any]:
+        self.optimizer.zero_grad(set_to_none=True)
+        mine = [mb.to(self.device) for mb in self.dp.share(micro)]  # all of them, unless data-parallel
+        sums = self.dp.sum(accumulate(self.model, mine, self.loss))
+        self.dp.sum_gradients(self.params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm)
+        self.optimizer.step()  # parameters without a gradient (nothing trained) are left alone
+        self.step += 1
+        self.trained.extend(batch[i][0] for i in keep)
+        self.skipped.extend(gid for (gid, _), z in zip(batch, zero) if z)
+        values = torch.cat([sums.float(), grad_norm.to(sums).reshape(1)]).tolist()  # the one host sync
+        m = metrics(values[:-1], self.loss.beta)
+        step_s = time.monotonic() - t0
         rewards = [s.reward for g in groups for s in g.samples]
-        return {
-            "step": self.step,
-            "version": self.version,
-            "loss": stats.loss,
-            "ratio": stats.ratio,
-            "kl": stats.kl,
-            "clip_ratio": stats.clip_ratio,
-            "grad_norm": grad_norm,
-            "reward": sum(rewards) / len(rewards),
-            "reward_std": float(torch.tensor(rewards).std(unbiased=False)),
-            "sample/staleness_mean": sum(self.version - g.adapter_version for g in groups) / len(groups),
-            "perf/step_s": step_s,
-            "samples": len(rewards),
-            "perf/samples_per_s": len(rewards) / step_s if step_s > 0 else 0.0,
-        }
+        m.update(
+            {
+                "step": self.step,
+                "version": self.version,
+                "grad_norm": values[-1],
+                "reward": sum(rewards) / len(rewards),
+                "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+                "frac_reward_zero_std": sum(zero) / len(zero),
+                "skipped_zero_variance": sum(zero),
+                "sample/staleness_mean": sum(self.version - g.adapter_version for g in groups) / len(groups),
+                "perf/step_s": step_s,
+                "perf/micro_batches": len(micro),
+                "perf/tok_s": sum(mb.tokens for mb in micro) / step_s if step_s > 0 else 0.0,
+                "samples": sum(len(groups[i].samples) for i in keep),
+            }
+        )
+        m["perf/samples_per_s"] = m["samples"] / step_s if step_s > 0 else 0.0
+        if not self.dp.is_main:
+            return m
+        self.events.emit(events.TRAIN_STEP, **m)
+        log.info(
+            "step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  skipped %d  %.2fs",
+            self.step,
+            m["reward"],
+            m["ratio"],
+            m["clip_ratio/region_mean"],
+            m["loss"],
+            m["sample/staleness_mean"],
+            m["skipped_zero_variance"],
+            m["perf/step_s"],
+        )
+        return m
 
     # -- publish --------------------------------------------------------------------
     def publish(self) -> None:
@@ -147,21 +177,27 @@ class Trainer:
         version = adapters.next_version(self.store)
         lora_name = self.manifest.lora_name(version)
         marker = adapters.publish(
-            self.store, version, adapter_files(self.model), meta={"step": self.step, "lora_name": lora_name}
+            self.store,
+            version,
+            adapter_files(self.model),
+            meta={"step": self.step, "lora_name": lora_name, **canary_fields(self.model)},
         )
         self.version = version
         self.groups_trained += len(self.trained)
         self.groups_dropped_stale += len(self.buffer.dropped)
+        self.groups_skipped += len(self.skipped)
         state = checkpoints.TrainerState(
             version=version,
             step=self.step,
             cursors=self.buffer.cursors,
             trained=[str(g) for g in self.trained],
             dropped_stale=[str(g) for g in self.buffer.dropped],
+            skipped_zero_variance=[str(g) for g in self.skipped],
             invalid=self.buffer.invalid,
             pending=[str(g) for g in self.buffer.pending()],
             groups_trained=self.groups_trained,
             groups_dropped_stale=self.groups_dropped_stale,
+            groups_skipped_zero_variance=self.groups_skipped,
             parent=parent,
         )
         checkpoints.save(self.store, state, {OPTIMIZER_FILE: optimizer_bytes(self.optimizer)})
@@ -169,7 +205,7 @@ class Trainer:
             events.PUBLISHED, version=version, lora_name=lora_name, step=self.step, committed_at=marker["committed_at"]
         )
         log.info("published adapter %s (%s) at step %d", layout.version_dir(version), lora_name, self.step)
-        self.trained = []
+        self.trained, self.skipped = [], []
         self.buffer.clear_records()
 
     def mark_done(self) -> None:

@@ -1,0 +1,86 @@
+"""Data parallelism: two processes (gloo, launched with torch's launcher) give the single-process step's gradients.
+
+Each rank trains its share of the packed micro-batches of the same step; the summed LoRA gradients must
+equal those of one process that trains all of them. Rank 0's batch reaches rank 1 intact. Run as a script,
+this file is the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from conftest import free_port  # noqa: E402
+from test_grpo_packing import _groups, _model  # noqa: E402
+
+from bucket.rollouts import GroupId  # noqa: E402
+from trainer.grpo import LossConfig, accumulate, advantages, completions  # noqa: E402
+from trainer.packing import pack  # noqa: E402
+
+BUDGET = 24  # several micro-batches, so that each rank gets some
+
+
+def _gradients(dp=None) -> tuple[dict[str, torch.Tensor], int]:
+    """The LoRA gradients of one step, and how many micro-batches this process trained."""
+    torch.set_num_threads(1)
+    model = _model()
+    groups = _groups(random.Random(5), n=4)
+    cfg = LossConfig(loss_type="grpo")
+    advs, _ = advantages(groups, cfg.scale_rewards)
+    micro = pack(completions(groups, advs, cfg), BUDGET)
+    params = [p for p in model.parameters() if p.requires_grad]
+    mine = dp.share(micro) if dp else micro
+    accumulate(model, mine, cfg)
+    if dp:
+        dp.sum_gradients(params)
+    return {k: p.grad for k, p in model.named_parameters() if p.requires_grad}, len(mine)
+
+
+def test_two_ranks_sum_to_the_single_process_gradient(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        __file__,
+    ]
+    proc = subprocess.run([*cmd, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    from safetensors.torch import load_file
+
+    shares = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    assert all(s["micro_batches"].item() >= 1 for s in shares)  # both ranks trained something
+    single, n = _gradients()
+    assert n > 2
+    for rank in shares:  # every rank ends with the same, summed gradient
+        for k, g in single.items():
+            torch.testing.assert_close(rank[k], g, rtol=1e-5, atol=1e-8)
+
+
+if __name__ == "__main__":
+    from safetensors.torch import save_file
+
+    from trainer.distributed import DataParallel
+    from trainer.main import decode_batch, encode_batch
+
+    dp = DataParallel(cpu=True)
+    assert dp.world == 2
+    # rank 0 reads the bucket and sends the batch to the others as JSON
+    groups = [g.model_copy(update={"generated_at": 0.0}) for g in _groups(random.Random(6), n=2)]
+    batch = [(GroupId(f"rollouts/w/000000/{i:012d}.json", 0), g) for i, g in enumerate(groups)]
+    assert decode_batch(dp.broadcast_text(encode_batch(batch) if dp.is_main else None)) == batch
+    grads, n = _gradients(dp)
+    out = {k: g.contiguous() for k, g in grads.items()} | {"micro_batches": torch.tensor(n)}
+    save_file(out, os.path.join(sys.argv[1], f"rank{dp.rank}.safetensors"))

@@ -1,0 +1,308 @@
+"""Padding-free packing: a step's completions as a few token-budget rows, and the model's logprobs on them.
+
+A *unit* is one prompt followed by some of its group's completions: the prompt
+goes through the model once and every completion of the unit attends to it
+(a tree mask), so nothing is padded and no prompt token is computed twice.
+Units are packed first-fit-decreasing into micro-batches of at most
+`token_budget` tokens (a group larger than that is split, its prompt repeated),
+and each micro-batch is one row: per-sequence position ids and a
+block-diagonal causal mask, run by `packed_attention` (one sdpa call per
+block on CPU, flex attention with a block mask on GPU).
+
+A completion's last token is never an input (it predicts nothing we train),
+so a completion of C tokens adds C - 1 tokens to the row; its first token is
+predicted from the prompt's last position.
+
+Everything here that depends on the data is built on the host before the step
+and moved to the device in one copy per tensor; nothing inside the step reads a
+value back from the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from trl.kernels import ChunkedLogProbFunction
+
+PACKED_ATTENTION = "brigade_packed"
+# Vocabulary columns per tile of the chunked log-softmax (TRL's fused LM head uses 32768 on GPU); on CPU
+# a smaller tile keeps the [tokens, tile] buffer small.
+VOCAB_TILE = {"cpu": 8192, "cuda": 32768}
+FLEX_BLOCK = 128
+
+
+@dataclass
+class Completion:
+    """One completion to train on, with its per-token loss inputs."""
+
+    ids: list[int]
+    old_logprobs: list[float]  # the behaviour (vLLM) logprob of each token
+    advantage: float
+    weight: float  # per-token loss weight (the loss type's normaliser)
+    inv_temperature: float
+
+
+@dataclass
+class Unit:
+    prompt: list[int]
+    completions: list[Completion]
+
+    @property
+    def size(self) -> int:
+        return len(self.prompt) + sum(len(c.ids) - 1 for c in self.completions)
+
+
+@dataclass
+class MicroBatch:
+    """One packed row and the completion tokens it predicts (N of them)."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    block: torch.Tensor  # [T] int32: the attention block of each position (a prompt or a completion)
+    prefix: torch.Tensor  # [T] int32: the prompt block a completion position also sees, -1 for none
+    blocks: list[tuple[int, int, int, int]]  # (start, end, prefix start, prefix end) of every block, in row order
+    predict: torch.Tensor  # [N] row positions whose output predicts a trained token
+    targets: torch.Tensor  # [N] the trained tokens
+    old_logprobs: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+    weights: torch.Tensor  # [N]
+    inv_temperature: torch.Tensor  # [N]
+    tokens: int  # real (unpadded) tokens in the row
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+def make_units(groups: list[tuple[list[int], list[Completion]]], token_budget: int) -> list[Unit]:
+    """A group per unit, split (the prompt repeated) where it would not fit in `token_budget` tokens."""
+    units = []
+    for prompt, completions in groups:
+        unit = Unit(prompt, [])
+        for c in completions:
+            if unit.completions and unit.size + len(c.ids) - 1 > token_budget:
+                units.append(unit)
+                unit = Unit(prompt, [])
+            unit.completions.append(c)
+        if unit.completions:
+            units.append(unit)
+    return units
+
+
+def plan(units: list[Unit], token_budget: int) -> list[list[Unit]]:
+    """First-fit decreasing: few rows, each at most `token_budget` tokens (or one unit, if larger)."""
+    bins: list[list[Unit]] = []
+    room: list[int] = []
+    for unit in sorted(units, key=lambda u: u.size, reverse=True):
+        for i, free in enumerate(room):
+            if unit.size <= free:
+                bins[i].append(unit)
+                room[i] -= unit.size
+                break
+        else:
+            bins.append([unit])
+            room.append(token_budget - unit.size)
+    return bins
+
+
+def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
+    """The row of some units, padded to a multiple of `pad_to` (pad positions attend to themselves only)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    block: list[int] = []
+    prefix: list[int] = []
+    blocks: list[tuple[int, int, int, int]] = []
+    predict: list[int] = []
+    targets: list[int] = []
+    old: list[float] = []
+    adv: list[float] = []
+    weight: list[float] = []
+    inv_t: list[float] = []
+
+    def add_block(tokens: list[int], positions: range, pre: int, pre_span: tuple[int, int]) -> int:
+        start = len(ids)
+        b = len(blocks)
+        blocks.append((start, start + len(tokens), *pre_span))
+        ids.extend(tokens)
+        pos.extend(positions)
+        block.extend([b] * len(tokens))
+        prefix.extend([pre] * len(tokens))
+        return b
+
+    for unit in units:
+        p = len(unit.prompt)
+        p_start = len(ids)
+        pb = add_block(unit.prompt, range(p), -1, (p_start, p_start))
+        last_prompt = len(ids) - 1
+        for c in unit.completions:
+            start = len(ids)
+            if len(c.ids) > 1:
+                add_block(c.ids[:-1], range(p, p + len(c.ids) - 1), pb, (p_start, p_start + p))
+            predict.append(last_prompt)
+            predict.extend(range(start, start + len(c.ids) - 1))
+            targets.extend(c.ids)
+            old.extend(c.old_logprobs)
+            n = len(c.ids)
+            adv.extend([c.advantage] * n)
+            weight.extend([c.weight] * n)
+            inv_t.extend([c.inv_temperature] * n)
+    real = len(ids)
+    for _ in range(-real % pad_to):
+        add_block([0], range(1), -1, (len(ids), len(ids)))
+
+    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype)
+
+    return MicroBatch(
+        input_ids=t(ids, torch.long)[None],
+        position_ids=t(pos, torch.long)[None],
+        block=t(block, torch.int32),
+        prefix=t(prefix, torch.int32),
+        blocks=blocks,
+        predict=t(predict, torch.long),
+        targets=t(targets, torch.long),
+        old_logprobs=t(old, torch.float32),
+        advantages=t(adv, torch.float32),
+        weights=t(weight, torch.float32),
+        inv_temperature=t(inv_t, torch.float32),
+        tokens=real,
+    )
+
+
+def pack(
+    groups: list[tuple[list[int], list[Completion]]], token_budget: int, pad_to: int = 1, static: bool = False
+) -> list[MicroBatch]:
+    """The step's micro-batches; the budget grows to the longest single sequence if that is longer.
+
+    Rows are padded to a multiple of `pad_to`, or with `static` to the budget itself (one shape for compiled code).
+    """
+    longest = max((len(p) + len(c.ids) - 1 for p, cs in groups for c in cs), default=0)
+    budget = max(token_budget, longest)
+    return [build(units, budget if static else pad_to) for units in plan(make_units(groups, budget), budget)]
+
+
+# -- attention over a packed row -----------------------------------------------------------------------
+
+
+_MASK_MODS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, object]] = {}
+
+
+def block_mask(mb: MicroBatch) -> BlockMask:
+    """flex attention's block mask of a row on the GPU: causal within a block, plus the block's prompt.
+
+    One mask function per row length, reading persistent buffers that each row's layout is copied into, so
+    compiled code sees the same function (no recompilation per micro-batch). The copy is queued on the
+    stream after the previous row's backward, which has therefore read its layout already.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    t, device = mb.input_ids.shape[1], mb.input_ids.device
+    key = (t, str(device))
+    if key not in _MASK_MODS:
+        block = torch.empty(t, dtype=torch.int32, device=device)
+        prefix = torch.empty(t, dtype=torch.int32, device=device)
+
+        def mask_mod(b, h, q, k):
+            return ((block[q] == block[k]) & (k <= q)) | (prefix[q] == block[k])
+
+        _MASK_MODS[key] = (block, prefix, mask_mod)
+    block, prefix, mask_mod = _MASK_MODS[key]
+    block.copy_(mb.block)
+    prefix.copy_(mb.prefix)
+    return create_block_mask(mask_mod, None, None, t, t, device=device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def attend_blocks(q, k, v, blocks: list[tuple[int, int, int, int]], scale: float | None) -> torch.Tensor:
+    """A packed row's attention as one sdpa call per block (CPU): q [1, Hq, T, D], k/v [1, Hkv, T, D]."""
+    # split (not sliced) along the row: the backward of a split is one cat, where every slice's would be a
+    # zero-filled copy of the whole row
+    sizes = [end - start for start, end, _, _ in blocks]
+    qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+    first = {start: i for i, (start, _, _, _) in enumerate(blocks)}
+    out = []
+    for i, (start, end, p_start, p_end) in enumerate(blocks):
+        if p_end > p_start:
+            j = first[p_start]  # the prompt block
+            kk, vv = torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2)
+            # the whole prompt, then causal within the block
+            mask = torch.ones(end - start, kk.shape[2], dtype=torch.bool, device=q.device).tril(p_end - p_start)
+            out.append(F.scaled_dot_product_attention(qs[i], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True))
+        else:
+            out.append(
+                F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scale, enable_gqa=True)
+            )
+    return torch.cat(out, dim=2)
+
+
+_FLEX = None
+
+
+def _flex():
+    global _FLEX
+    if torch.compiler.is_compiling():
+        return flex_attention  # inside a compiled region: traced as is
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention)
+    return _FLEX
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packing=None, **kwargs):
+    """transformers' attention interface for packed rows.
+
+    `packing` (a forward kwarg) is a flex BlockMask on the GPU or the row's block list on the CPU; without it,
+    plain causal sdpa (an unpacked batch without padding).
+    """
+    if packing is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    if isinstance(packing, BlockMask):
+        out = _flex()(query, key, value, block_mask=packing, scale=scaling, enable_gqa=True)
+    else:
+        out = attend_blocks(query, key, value, packing, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p (under each sequence's sampling temperature) of every trained token of the row, and the entropy there.
+
+    The LM head runs through TRL's chunked log-softmax: tiles of the vocabulary at a time, so the
+    [N, vocab] logits are never materialised, in fp32 or otherwise, and its backward recomputes them.
+    """
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    if head.bias is not None or getattr(lm.config, "final_logit_softcapping", None):
+        raise ValueError("packed_logprobs supports LM heads without bias or logit softcapping")
+    dtype = head.weight.dtype
+    # Base weights in bf16: matmuls in bf16 (the fp32 LoRA weights are cast per call), reductions in fp32
+    # (RMSNorm upcasts; the chunked log-softmax accumulates in fp32).
+    with torch.autocast(mb.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        hidden = lm.base_model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            packing=block_mask(mb) if mb.input_ids.device.type == "cuda" else mb.blocks,
+            use_cache=False,
+        ).last_hidden_state[0]
+        # logits / T = (h / T) @ W^T: the temperature goes on the hidden states, one per token
+        h = hidden.index_select(0, mb.predict) * mb.inv_temperature[:, None].to(hidden.dtype)
+        tile = VOCAB_TILE.get(h.device.type, 8192)
+        logp, entropy, *_ = ChunkedLogProbFunction.apply(
+            h, head.weight, None, mb.targets, 1.0, tile, None, 1.0, ("entropy",)
+        )
+    return logp, entropy
