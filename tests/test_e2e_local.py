@@ -42,10 +42,11 @@ def test_every_rollout_consumed_exactly_once_within_staleness(local_run):
     lineage = checkpoints.lineage(store)
     trained = [g for st in lineage for g in st.trained]
     dropped = [g for st in lineage for g in st.dropped_stale]
+    skipped = [g for st in lineage for g in st.skipped_zero_variance]  # equal rewards: no signal, never trained
     pending = lineage[-1].pending
-    consumed = trained + dropped + pending
+    consumed = trained + dropped + skipped + pending
     assert len(consumed) == len(set(consumed)), "a group was consumed twice"
-    assert len(trained) == STEPS * 2
+    assert len(trained) + len(skipped) == STEPS * 2
     # every group of every shard up to the trainer's cursors is accounted for; the rest came after the last step
     cursors = lineage[-1].cursors
     shards = read_shards(store, {})
@@ -79,3 +80,20 @@ def test_sync_latency_events_present(local_run):
     for kind in (events.PUBLISHED, events.DETECTED, events.LOADED, events.LOADED_ALL, events.FIRST_ROLLOUT):
         assert kinds[kind] >= 3, (kind, kinds)
     assert json.dumps(summarize(store))  # the summary is plain JSON
+
+
+def test_held_out_accuracy_of_the_base_and_the_final_version(local_run):
+    proc, store = local_run
+    s = summarize(store)
+    evals = [e for e in events.read_all(store) if e["kind"] == events.EVAL]
+    assert {e["total"] for e in evals} == {16} and len({e["eval_set"] for e in evals}) == 1
+    versions = [e["version"] for e in evals]
+    final = max(v["version"] for v in s["versions"])
+    assert versions[0] == 0 and final in versions  # the base first, the trainer's final version last
+    assert s["base_accuracy"] is not None and s["final_accuracy"] is not None
+    assert s["final_accuracy_version"] == final
+    assert "held-out accuracy" in proc.stdout
+    # the run's plot of accuracy over time, next to its summary
+    run_dir = store.root.rsplit("/", 1)[0]
+    with open(f"{run_dir}/accuracy.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
