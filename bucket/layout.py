@@ -12,6 +12,7 @@ trainer/checkpoints/v000001/...            trainer: optimizer state + what it co
 trainer/LATEST.json                        trainer, after the checkpoint
 trainer/progress.json                      trainer, every step: its cursors (rollout workers' backpressure)
 trainer/DONE.json                          trainer, when it reached max_steps
+rollout_workers/<worker>/data_cursor.json  rollout worker, after every shard: where it is in its prompts
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CHECKPOINTS = "trainer/checkpoints"
 CHECKPOINT_LATEST = "trainer/LATEST.json"
 TRAINER_PROGRESS = "trainer/progress.json"
 TRAINER_DONE = "trainer/DONE.json"
+ROLLOUT_WORKERS = "rollout_workers"
 
 
 def version_dir(version: int) -> str:
@@ -46,3 +48,7 @@ def adapter_key(version: int) -> str:
 
 def checkpoint_key(version: int) -> str:
     return f"{CHECKPOINTS}/{version_dir(version)}"
+
+
+def data_cursor_key(worker: str) -> str:
+    return f"{ROLLOUT_WORKERS}/{worker}/data_cursor.json"

@@ -125,6 +125,14 @@ class Progress:
                     f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)",
                     flush=True,
                 )
+            elif e["kind"] == events.EVAL:
+                print(
+                    f"  held-out accuracy of v{e['version']}: {e['accuracy']:.3f} ({e['correct']}/{e['total']}, "
+                    f"{e['seconds']:.0f}s)",
+                    flush=True,
+                )
+            elif e["kind"] == events.CURRICULUM:
+                print(f"  curriculum: training prompts now at level {e['level']}", flush=True)
             elif e["kind"] == events.LOAD_FAILED:
                 print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
@@ -188,11 +196,13 @@ class LocalRun:
         self.config, self.store = config, store
         self.replicas = [_replica_job(config, i, cfg_path, logs) for i in range(config.local.num_replicas)]
         self.proxy = _job("proxy", "proxy", cfg_path, logs)
-        self.rollout = _job("rollout_worker", "rollout", cfg_path, logs)
+        # A fixed worker id: its data cursor in the bucket is found again if the run is resumed.
+        self.rollout = _job("rollout_worker", "rollout", cfg_path, logs, "--rollout.worker-id", rollout_id(config))
         torch_threads = str(config.trainer.torch_threads or config.local.trainer_threads)
         self.trainer = _job("trainer", "trainer", cfg_path, logs, "--trainer.torch-threads", torch_threads)
         self.jobs = self.replicas + [self.proxy, self.rollout, self.trainer]
         self.started = time.monotonic()
+        self.started_at = time.time()
         self.deadline = self.started + config.local.max_wall_s
         self.progress = Progress(store)
         self.replica_startup_s = 0.0
@@ -234,8 +244,9 @@ class LocalRun:
                 raise JobFailed(f"the run did not finish within --local.max-wall-s {self.config.local.max_wall_s:.0f}s")
             time.sleep(2)
         _check([self.trainer])
-        # The rollout worker stops by itself once it sees trainer/DONE.json, writing what it has scored.
-        self.wait_until("the rollout worker to finish", self.rollout.exited, 120)
+        # The rollout worker stops by itself once it sees trainer/DONE.json, writing what it has scored
+        # (and evaluating the final version first).
+        self.wait_until("the rollout worker to finish", self.rollout.exited, 600)
         _check(self.jobs)
         self.progress.poll()
 
@@ -251,6 +262,51 @@ class LocalRun:
                 print(f"brigade local: could not stop {job.name}: {exc}", file=sys.stderr, flush=True)
 
 
+def rollout_id(config: Config) -> str:
+    return config.rollout.worker_id or "rollout-0"
+
+
+def plot_accuracy(summary: dict, path: str, started_at: float) -> bool:
+    """Held-out accuracy over the run's time (and the training reward per step), as a PNG; False without evaluations.
+
+    Time is counted from `started_at` (wall clock), the command's start."""
+    curve = summary.get("accuracy_curve") or []
+    if not curve:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    xs, ys = [(c["ts"] - started_at) / 60 for c in curve], [c["accuracy"] for c in curve]
+    ax.plot(xs, ys, "o-", color="tab:blue", label=f"held-out accuracy (greedy, {curve[-1]['total']} prompts)")
+    for c, x, y in zip(curve, xs, ys):
+        ax.annotate(f"v{c['version']}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    steps = summary.get("reward_curve") or []
+    if steps:
+        ax.plot(
+            [(s["ts"] - started_at) / 60 for s in steps],
+            [s["reward"] for s in steps],
+            ".",
+            color="tab:orange",
+            alpha=0.5,
+            label="training reward (per step)",
+        )
+    ax.set_xlabel("minutes since the run started")
+    ax.set_ylabel("accuracy / reward")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
+    if base is not None and final is not None:
+        ax.set_title(f"held-out accuracy {base:.2f} (base) -> {final:.2f} (final)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:
     summary = summarize(store)
     summary["wall_s"] = time.monotonic() - local.started
@@ -261,6 +317,12 @@ def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:
     print("\n" + render(summary))
     print(f"wall time             {summary['wall_s']:.0f} s (replicas ready after {local.replica_startup_s:.0f} s)")
     print(f"summary written to {path}")
+    png = os.path.join(run_dir, "accuracy.png")
+    try:
+        if plot_accuracy(summary, png, local.started_at):
+            print(f"accuracy plot written to {png}")
+    except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished run
+        print(f"brigade local: could not draw {png}: {exc}", file=sys.stderr)
 
 
 def run(config: Config) -> int:

@@ -18,19 +18,34 @@ from bucket.store import Store
 from infra.config import Config
 
 
-def accuracy_curve(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def accuracy_curve(evals: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
     """Held-out accuracy per evaluated version, in the order evaluated, for the run's evaluation set (the last
-    one used, should a run have been evaluated on several); `t` = seconds since the run's first event."""
-    evals = [e for e in evs if e["kind"] == events.EVAL]
+    one used, should a run have been evaluated on several); `t` = seconds since the run's first event (`t0`)."""
     if not evals:
         return []
-    t0 = evs[0]["ts"]
     eval_set = evals[-1].get("eval_set")
     return [
         {"version": e["version"], "accuracy": e["accuracy"], "total": e["total"], "t": e["ts"] - t0, "ts": e["ts"]}
         for e in evals
         if e.get("eval_set") == eval_set
     ]
+
+
+def learning_figures(
+    evals: list[dict[str, Any]], steps: list[dict[str, Any]], reward_failures: int, t0: float | None
+) -> dict[str, Any]:
+    """Held-out accuracy (base and final) and the reward over steps: shared with the dashboard, so both agree."""
+    curve = accuracy_curve(evals, t0) if t0 is not None else []
+    base = [c for c in curve if c["version"] == 0]
+    adapted = [c for c in curve if c["version"] > 0]
+    return {
+        "base_accuracy": base[-1]["accuracy"] if base else None,
+        "final_accuracy": max(adapted, key=lambda c: c["version"])["accuracy"] if adapted else None,
+        "final_accuracy_version": max(c["version"] for c in adapted) if adapted else None,
+        "accuracy_curve": curve,
+        "reward_curve": [{"step": e["step"], "reward": e["reward"], "ts": e["ts"]} for e in steps],
+        "reward_failures": reward_failures,
+    }
 
 
 def summarize(store: Store) -> dict[str, Any]:
@@ -70,9 +85,6 @@ def summarize(store: Store) -> dict[str, Any]:
     samples = sum(e["samples"] for e in steps)
     train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
     latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
-    curve = accuracy_curve(evs)
-    base = [c for c in curve if c["version"] == 0]
-    adapted = [c for c in curve if c["version"] > 0]
     return {
         "steps": len(steps),
         "trained_samples": samples,
@@ -92,12 +104,12 @@ def summarize(store: Store) -> dict[str, Any]:
         "groups_skipped_zero_variance": len(skipped),
         "groups_pending": len(lineage[-1].pending) if lineage else 0,
         "done": read_done(store) is not None,
-        "base_accuracy": base[-1]["accuracy"] if base else None,
-        "final_accuracy": max(adapted, key=lambda c: c["version"])["accuracy"] if adapted else None,
-        "final_accuracy_version": max(c["version"] for c in adapted) if adapted else None,
-        "accuracy_curve": curve,
-        "reward_curve": [{"step": e["step"], "reward": e["reward"], "ts": e["ts"]} for e in steps],
-        "reward_failures": sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
+        **learning_figures(
+            [e for e in evs if e["kind"] == events.EVAL],
+            steps,
+            sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
+            evs[0]["ts"] if evs else None,
+        ),
     }
 
 

@@ -40,7 +40,12 @@ class AdapterSync:
     @contextmanager
     def generating(self) -> Iterator[int]:
         """The version a new group generates with, counted in flight (so not unloaded) until the block ends."""
-        version = self.version
+        with self.holding(self.version) as version:
+            yield version
+
+    @contextmanager
+    def holding(self, version: int) -> Iterator[int]:
+        """`version` counted in flight (so not unloaded) until the block ends (e.g. while it is evaluated)."""
         self.inflight[version] = self.inflight.get(version, 0) + 1
         try:
             yield version

@@ -15,12 +15,12 @@ class RolloutConfig(BaseModel):
         "", description="Name of this worker's shard folder in the bucket; empty = hostname + random suffix."
     )
     max_completion_length: int = Field(16, ge=1, description="Max new tokens per completion.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature (0.7 measured: more groups with signal).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1.0 = off).")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
     max_inflight_groups: int = Field(4, ge=1, description="Prompt groups being generated at once.")
     max_unconsumed_groups: int = Field(
-        8,
+        4,
         ge=0,
         description="Pause new generations while this many of our groups are written or in flight but not yet "
         "read by the trainer (trainer/progress.json); 0 = never pause.",
@@ -28,18 +28,46 @@ class RolloutConfig(BaseModel):
     groups_per_shard: int = Field(2, ge=1, description="Scored groups per rollout shard written to the bucket.")
     dataset: str = Field(
         "arithmetic",
-        description="'arithmetic' (built in) or a path to a JSON/JSONL/Parquet file "
-        "with 'prompt' and 'answer' columns.",
+        description="Training prompts: 'arithmetic' (built in, levels of rising operand size), 'gsm8k:FILE' (GSM8K's "
+        "question/answer layout), a .jsonl/.json/.parquet/.csv FILE with a 'prompt' column (text or chat messages; "
+        "every other column goes to the reward functions), or a Hugging Face hub dataset name.",
     )
-    max_operand: int = Field(
-        9, ge=1, description="Arithmetic prompts use operands in [0, max_operand] (small = early reward signal)."
+    dataset_split: str = Field("train", description="Split of a hub dataset.")
+    num_epochs: int = Field(0, ge=0, description="Stop after this many passes over the prompts (0 = never stop).")
+    curriculum: bool = Field(
+        True, description="With a 'level' column: start at the lowest level, move up as the training reward rises."
     )
-    num_prompts: int = Field(512, ge=1, description="Prompts in the built-in arithmetic dataset (cycled).")
+    curriculum_threshold: float = Field(
+        0.7, description="Move to the next level once the mean reward of the last curriculum_window groups reaches it."
+    )
+    curriculum_window: int = Field(8, ge=1, description="Groups of the current level the curriculum averages over.")
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["rollout_worker.rewards:exact_match"],
-        description="Reward functions as module:function (TRL signature); their rewards are summed.",
+        description="Reward functions as module:function (TRL signature: completions, prompts, completion_ids, "
+        "**columns -> list of float or None; sync or async); weighted and summed.",
     )
-    seed: int = Field(0, description="Random seed for the prompt order.")
+    reward_weights: list[float] = Field(
+        default_factory=list, description="One weight per reward function (empty = all 1.0)."
+    )
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="A reward function still running after this long gives None for that group."
+    )
+    reward_processes: int = Field(1, ge=1, description="Processes scoring rewards, off the generation loop.")
+    eval_dataset: str = Field(
+        "",
+        description="Held-out evaluation prompts (same forms as dataset); empty = the built-in set for 'arithmetic', "
+        "else eval_size rows held out of the dataset. Never trained on.",
+    )
+    eval_size: int = Field(200, ge=0, description="Prompts in the evaluation set (0 = no evaluation).")
+    eval_every_versions: int = Field(
+        8, ge=0, description="Evaluate every this many adapter versions (besides the base and the final version)."
+    )
+    eval_max_tokens: int = Field(32, ge=1, description="Max new tokens of an evaluation completion (greedy).")
+    eval_judge: str = Field(
+        "rollout_worker.rewards:exact_match",
+        description="Reward function that judges an evaluation answer correct (1.0) or not.",
+    )
+    seed: int = Field(0, description="Seed of the prompt order (reshuffled every epoch).")
     poll_s: float = Field(0.5, gt=0, description="How often to look for a new adapter version.")
     max_groups: int = Field(0, ge=0, description="Stop after this many groups (0 = until the trainer says it is done).")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one generation request.")

@@ -9,16 +9,17 @@ torch: tokens come from the replicas' own tokenizer through the proxy's
 The parts, each in its own module:
   adapter_sync.py  watches adapters/LATEST.json, has the proxy load and unload versions
   generation.py    prompt tokens and completions through the proxy
-  rewards.py       reward functions (TRL signature) and scoring
+  rewards.py       reward functions (TRL signature), scored in a process pool
   shards.py        shard writing and the lead over the trainer (backpressure)
-  prompts.py       the prompt dataset
+  prompts.py       the prompt dataset and the held-out evaluation set
+  sampler.py       prompt order: epochs, seeded shuffles, curriculum, the data cursor in the bucket
+  evaluation.py    greedy held-out accuracy of a version (base, every few versions, final)
 This module runs the loop that ties them together, and the job's entry `run`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import signal
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 
 from bucket import events
+from bucket.datacursor import read_data_cursor, write_data_cursor
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.progress import read_done
@@ -35,9 +37,11 @@ from bucket.settings import BucketConfig, ConfigError, open_bucket
 from bucket.store import Store
 from rollout_worker.adapter_sync import AdapterSync
 from rollout_worker.config import RolloutConfig
+from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import Generator
-from rollout_worker.prompts import load_prompts
-from rollout_worker.rewards import import_reward, score
+from rollout_worker.prompts import load_data
+from rollout_worker.rewards import Scorer
+from rollout_worker.sampler import PromptSampler, Ticket
 from rollout_worker.shards import ShardOutput
 
 log = logging.getLogger("brigade.rollout")
@@ -50,6 +54,11 @@ def dataset_extra(row: dict[str, Any]) -> dict[str, str | int | float]:
     return {k: v for k, v in row.items() if k not in ("prompt", "prompt_id") and isinstance(v, (str, int, float))}
 
 
+def as_completion(prompt: Any, text: str) -> Any:
+    """A completion as TRL hands it to reward functions: a message for a chat prompt, else the text."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
 class Worker:
     def __init__(self, settings: RolloutConfig, store: Store, manifest: RunManifest, client: httpx.AsyncClient):
         self.rc, self.store, self.manifest = settings, store, manifest
@@ -59,10 +68,36 @@ class Worker:
         self.adapters = AdapterSync(store, manifest, client, self.ev)
         self.generator = Generator(client, manifest.base_model, self.sampling, settings.max_completion_length)
         self.output = ShardOutput(store, worker_id, settings.groups_per_shard, self.ev)
-        self.rewards = [import_reward(s) for s in settings.reward_funcs]
-        self.dataset = load_prompts(settings.dataset, settings.num_prompts, settings.max_operand, settings.seed)
-        self.rows = itertools.cycle(range(len(self.dataset)))
-        self.tasks: set[asyncio.Task[ScoredGroup]] = set()
+        self.worker_id = worker_id
+        self.scorer = Scorer(
+            settings.reward_funcs, settings.reward_weights, settings.reward_timeout_s, settings.reward_processes
+        )
+        self.data = load_data(settings.dataset, settings.eval_dataset, settings.eval_size, settings.dataset_split)
+        self.sampler = PromptSampler(
+            self.data,
+            worker_id,
+            settings.seed,
+            settings.num_epochs,
+            settings.curriculum,
+            settings.curriculum_threshold,
+            settings.curriculum_window,
+            read_data_cursor(store, worker_id),
+        )
+        log.info(
+            "%d training prompts in %d level(s); evaluation set: %s",
+            len(self.data.train),
+            len(self.sampler.levels),
+            self.data.eval_name,
+        )
+        self.evaluator = (
+            Evaluator(client, self.generator, self.data, settings.eval_judge, settings.eval_max_tokens)
+            if len(self.data.eval)
+            else None
+        )
+        self.eval_task: asyncio.Task[None] | None = None
+        self.evaluated: set[int] = set()
+        self.tasks: dict[asyncio.Task[ScoredGroup], Ticket] = {}
+        self.unwritten: list[tuple[ScoredGroup, Ticket]] = []  # scored, not yet in a shard
         self.next_poll = 0.0
         self.done_groups = 0
         self.failures = 0  # groups failed in a row
@@ -74,9 +109,14 @@ class Worker:
             text, ids = await self.generator.prompt_ids(row)
             model = self.adapters.model_name(version)
             samples = await self.generator.completions(model, ids, self.manifest.num_generations)
-        rewards = await score(self.rewards, [s.text for s in samples], text, [s.completion_ids for s in samples], row)
-        for s, r in zip(samples, rewards):
-            s.reward = r
+        prompt = row["prompt"]
+        scored = await self.scorer.score(
+            [as_completion(prompt, s.text) for s in samples], prompt, [s.completion_ids for s in samples], row
+        )
+        for spec, error in scored.failures:
+            self.ev.emit(events.REWARD_FAILED, function=spec, error=error[:500], samples=len(samples))
+        for s, r in zip(samples, scored.totals):
+            s.reward = 0.0 if r is None else r  # None: no function applied (or every one failed)
         return ScoredGroup(
             prompt_id=str(row["prompt_id"]),
             prompt=text,
@@ -95,13 +135,15 @@ class Worker:
                     if await asyncio.to_thread(self.finished):
                         break
                     await self._poll()
+                    self._maybe_evaluate()
                 self._start_groups()
                 if not self.tasks:
-                    if self._reached_max_groups():
+                    if self._reached_max_groups() or self.sampler.exhausted():
                         break
                     await self._pause()
                     continue
                 await self._collect_finished()
+            await self._final_evaluation()
         finally:
             self._stop()
 
@@ -126,48 +168,131 @@ class Worker:
             # Groups in flight count too: each will be one more group the trainer has not read.
             budget = min(budget, max(0, self.rc.max_unconsumed_groups - self.output.unconsumed()))
         while len(self.tasks) < budget:
-            self.tasks.add(asyncio.create_task(self.generate_group(dict(self.dataset[next(self.rows)]))))
+            nxt = self.sampler.next()
+            if nxt is None:  # every epoch handed out
+                return
+            ticket, row = nxt
+            self.tasks[asyncio.create_task(self.generate_group(row))] = ticket
+
+    # -- held-out evaluation ------------------------------------------------------------------
+    def _maybe_evaluate(self) -> None:
+        """Evaluate the base model, then every `eval_every_versions` versions, beside generation (one at a time)."""
+        if self.evaluator is None or (self.eval_task is not None and not self.eval_task.done()):
+            return
+        version = self.adapters.version
+        if 0 not in self.evaluated:  # the base model first, whatever version generation already uses
+            version = 0
+        elif not (self.rc.eval_every_versions and version - max(self.evaluated) >= self.rc.eval_every_versions):
+            return
+        self.eval_task = asyncio.create_task(self._evaluate(version))
+
+    async def _evaluate(self, version: int) -> None:
+        assert self.evaluator is not None
+        self.evaluated.add(version)
+        model = self.adapters.model_name(version)
+        try:
+            with self.adapters.holding(version):  # not unloaded while it is evaluated
+                result = await self.evaluator.evaluate(version, model)
+        except Exception as exc:  # noqa: BLE001 - an evaluation failing must not stop generation
+            log.warning("evaluation of %s failed: %s: %s", model, type(exc).__name__, exc)
+            return
+        self.evaluator.emit(self.ev, result, model)
+        log.info(
+            "held-out accuracy of %s: %.3f (%d/%d, %.1fs)",
+            model,
+            result.accuracy,
+            result.correct,
+            result.total,
+            result.seconds,
+        )
+
+    async def _final_evaluation(self) -> None:
+        """At the end of the run: the newest version (the trainer's final one) is evaluated before the worker exits."""
+        if self.evaluator is None:
+            return
+        for task in self.tasks:  # the trainer is done: rollouts still in flight would only slow the evaluation
+            task.cancel()
+        await self.adapters.sync()
+        if self.eval_task is not None:
+            await self.eval_task
+        if self.adapters.version not in self.evaluated:
+            await self._evaluate(self.adapters.version)
 
     async def _pause(self) -> None:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not
         # full, or a shard size above the pause threshold would never be written at all.
-        self.output.flush(force=True)
+        self._flush(force=True)
         await asyncio.sleep(self.rc.poll_s)
 
     async def _collect_finished(self) -> None:
         """Wait up to `poll_s` for groups to finish, keep the scored ones, write full shards."""
-        done, self.tasks = await asyncio.wait(self.tasks, timeout=self.rc.poll_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(self.tasks, timeout=self.rc.poll_s, return_when=asyncio.FIRST_COMPLETED)
         last_error: Exception | None = None
         for task in done:
+            ticket = self.tasks.pop(task)
             try:
                 group = task.result()
             except Exception as exc:  # one broken group must not lose the scored ones finished with it
                 self.failures += 1
                 last_error = exc
                 log.warning("group failed (%s: %s); going on with other prompts", type(exc).__name__, exc)
+                self.sampler.written_out(ticket)  # not retried: the data cursor moves past it
                 continue
-            self._accept(group)
-        self.output.flush()
+            self._accept(group, ticket)
+        self._flush()
         if self.failures > MAX_FAILURES_IN_A_ROW:
             raise RuntimeError(f"more than {MAX_FAILURES_IN_A_ROW} groups in a row failed; last error: {last_error}")
         if last_error is not None:
             # Back off while failures repeat (e.g. the proxy restarting) instead of spinning on errors.
             await asyncio.sleep(min(5.0, 0.2 * self.failures))
 
-    def _accept(self, group: ScoredGroup) -> None:
+    def _accept(self, group: ScoredGroup, ticket: Ticket) -> None:
         self.failures = 0
         self.done_groups += 1
         if group.adapter_version not in self.first_rollout_seen:
             self.first_rollout_seen.add(group.adapter_version)
             self.ev.emit(events.FIRST_ROLLOUT, version=group.adapter_version)
         self.output.add(group)
+        self.unwritten.append((group, ticket))
+        mean = sum(s.reward for s in group.samples) / len(group.samples)
+        before = self.sampler.level_name
+        if self.sampler.observe(ticket, mean):
+            level = self.sampler.level_name
+            self.ev.emit(events.CURRICULUM, level=level, previous=before, version=self.adapters.version)
+            log.info("curriculum: training prompts move to level %s", self.sampler.level_name)
+
+    def _flush(self, force: bool = False) -> None:
+        """Write full shards (all with `force`), then move the data cursor past the groups now in the bucket."""
+        try:
+            self.output.flush(force=force)
+        finally:
+            pending = {id(g) for g in self.output.pending}
+            written = [t for g, t in self.unwritten if id(g) not in pending]
+            if written:
+                self.unwritten = [(g, t) for g, t in self.unwritten if id(g) in pending]
+                for ticket in written:
+                    self.sampler.written_out(ticket)
+                try:
+                    write_data_cursor(self.store, self.sampler.cursor())
+                except Exception as exc:  # noqa: BLE001 - the cursor is written again after the next shard
+                    log.warning("could not write the data cursor: %s", exc)
 
     def _stop(self) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.eval_task is not None:
+            self.eval_task.cancel()
         # Groups already scored are written, not dropped, when the worker stops.
-        self.output.flush(force=True)
-        log.info("stopped: %d groups in %d shards", self.done_groups, self.output.shards_written)
+        self._flush(force=True)
+        self.scorer.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
+        log.info(
+            "stopped: %d groups in %d shards; %d reward function calls failed",
+            self.done_groups,
+            self.output.shards_written,
+            self.scorer.failed,
+        )
 
 
 async def wait_for_proxy(client: httpx.AsyncClient, url: str, timeout_s: float) -> None:

@@ -1,45 +1,231 @@
-"""Prompt datasets (Hugging Face `datasets`): a built-in arithmetic set or a user file.
+"""Prompt data (Hugging Face `datasets`): built-in sets or the user's, and the held-out evaluation set.
 
-A dataset has a `prompt` column (text or chat messages) and whatever other
-columns the reward functions want (`answer` for the built-in exact match).
+A dataset has a `prompt` column, plain text or chat messages (TRL's
+conversational format: a list of {"role", "content"}), and any other columns,
+which are passed to the reward functions (`answer` for the built-in rewards).
+An optional integer `level` column orders prompts by difficulty for the
+curriculum (rollout_worker/sampler.py).
+
+`--rollout.dataset` is one of
+  arithmetic          built in: "What is A + B?" at levels of rising operand size (a curriculum)
+  gsm8k:FILE          a math-word-problem file in GSM8K's layout (`question`, `answer` ending in "#### 42")
+  FILE                a .jsonl / .json / .parquet / .csv file with a `prompt` column
+  NAME                a dataset on the Hugging Face hub (needs network), split `--rollout.dataset-split`
+
+The evaluation set is fixed before any training prompt is chosen: the built-in
+one for `arithmetic`, `--rollout.eval-dataset` when given, otherwise
+`eval_size` rows held out of the dataset by a fixed seed. Every training row
+whose prompt is also in the evaluation set is removed, so the two are disjoint
+whatever the curriculum, the shuffle seed or the epoch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+from dataclasses import dataclass
+from typing import Any
 
 from datasets import Dataset, load_dataset
 
+from bucket.settings import ConfigError
+
 QUESTION = "What is {a} + {b}? Answer with just the number."
+# Curriculum levels of the built-in arithmetic: operands in [0, max] (level 0 first).
+ARITHMETIC_LEVELS = (20, 50, 99)
+# The built-in held-out set: fixed, whatever the run's seed or curriculum.
+ARITHMETIC_EVAL_MAX_OPERAND = 50
+EVAL_SEED = 20251130
+GSM8K_INSTRUCTION = "\nGive the final answer as a number on the last line."
+FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def arithmetic(num_prompts: int, max_operand: int, seed: int) -> Dataset:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(num_prompts):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append(
-            {
-                "prompt_id": f"add-{i}",
-                "prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}],
-                "answer": str(a + b),
-            }
-        )
+class DataError(ConfigError):
+    """A dataset that cannot be used; the message names the file and, for a bad row, the row."""
+
+
+def prompt_key(prompt: Any) -> str:
+    """A prompt's identity, for text and chat prompts alike (how the evaluation set is kept out of training)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# -- built-in data ------------------------------------------------------------------------------------------
+
+
+def arithmetic_row(a: int, b: int, level: int) -> dict[str, Any]:
+    return {
+        "prompt_id": f"add-{a}-{b}",
+        "prompt": _chat(QUESTION.format(a=a, b=b)),
+        "answer": str(a + b),
+        "level": level,
+    }
+
+
+def arithmetic() -> Dataset:
+    """Every pair at every level (a pair belongs to the first level whose operand range holds it)."""
+    rows, seen = [], set()
+    for level, top in enumerate(ARITHMETIC_LEVELS):
+        for a in range(top + 1):
+            for b in range(top + 1):
+                if (a, b) not in seen:
+                    seen.add((a, b))
+                    rows.append(arithmetic_row(a, b, level))
     return Dataset.from_list(rows)
 
 
-def load_prompts(spec: str, num_prompts: int, max_operand: int, seed: int) -> Dataset:
-    if spec == "arithmetic":
-        return arithmetic(num_prompts, max_operand, seed)
-    if not os.path.isfile(spec):
-        raise ValueError(f"--rollout.dataset {spec!r} is neither 'arithmetic' nor an existing file")
-    kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(os.path.splitext(spec)[1])
+def arithmetic_eval(size: int) -> Dataset:
+    rng = random.Random(EVAL_SEED)
+    pairs = [(a, b) for a in range(ARITHMETIC_EVAL_MAX_OPERAND + 1) for b in range(ARITHMETIC_EVAL_MAX_OPERAND + 1)]
+    chosen = rng.sample(pairs, min(size, len(pairs)))
+    return Dataset.from_list([arithmetic_row(a, b, 0) for a, b in chosen]).remove_columns("level")
+
+
+def gsm8k_answer(text: str) -> str:
+    """The final answer of a GSM8K solution (the text after '####'), thousands separators removed."""
+    return text.rsplit("####", 1)[-1].strip().replace(",", "")
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+
+
+def _check_jsonl(path: str) -> None:
+    """Every line a JSON object: a bad line is named here, not deep inside `datasets`."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, row {n} (line {n}): not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}, row {n} (line {n}): a row must be a JSON object, got {type(obj).__name__}")
+
+
+def _read_file(path: str) -> Dataset:
+    kind = FILE_KINDS.get(os.path.splitext(path)[1].lower())
     if kind is None:
-        raise ValueError(f"--rollout.dataset {spec!r}: use a .json, .jsonl, .parquet or .csv file")
-    ds = load_dataset(kind, data_files=spec, split="train")
+        raise DataError(f"dataset {path}: use a .jsonl, .json, .parquet or .csv file")
+    if path.endswith(".jsonl"):
+        _check_jsonl(path)
+    try:
+        return load_dataset(kind, data_files=path, split="train")
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
+        raise DataError(f"dataset {path} cannot be read as {kind}: {exc}") from None
+
+
+def check_rows(ds: Dataset, source: str) -> None:
+    """Every row's prompt is non-empty text or a list of chat messages; a bad row is named (1-based)."""
     if "prompt" not in ds.column_names:
-        raise ValueError(f"dataset {spec} has no 'prompt' column (columns: {ds.column_names})")
+        raise DataError(f"dataset {source} has no 'prompt' column (columns: {ds.column_names})")
+    for n, prompt in enumerate(ds["prompt"], 1):
+        problem = _prompt_problem(prompt)
+        if problem:
+            raise DataError(f"{source}, row {n}: {problem}")
+
+
+def _prompt_problem(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return "" if prompt.strip() else "empty prompt"
+    if isinstance(prompt, list) and prompt:
+        for m in prompt:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return f"a chat prompt is a list of {{'role': str, 'content': str}} messages, got {m!r:.100}"
+        return ""
+    return f"'prompt' must be text or a list of chat messages, got {prompt!r:.100}"
+
+
+def _gsm8k(path: str) -> Dataset:
+    ds = _read_file(path)
+    missing = {"question", "answer"} - set(ds.column_names)
+    if missing:
+        raise DataError(f"{path} lacks the GSM8K columns {sorted(missing)} (has {ds.column_names})")
+
+    def convert(row: dict[str, Any], i: int) -> dict[str, Any]:
+        if not isinstance(row["question"], str) or not isinstance(row["answer"], str) or "####" not in row["answer"]:
+            raise DataError(f"{path}, row {i + 1}: a GSM8K row has a question and an answer ending in '#### N'")
+        final = gsm8k_answer(row["answer"])
+        return {"prompt": _chat(row["question"] + GSM8K_INSTRUCTION), "answer": final, "solution": final}
+
+    return ds.map(convert, with_indices=True, remove_columns=["question", "answer"])
+
+
+def read_dataset(spec: str, split: str = "train") -> Dataset:
+    """A training dataset as named by --rollout.dataset (checked row by row)."""
+    if spec == "arithmetic":
+        ds = arithmetic()
+    elif spec.startswith("gsm8k:"):
+        ds = _gsm8k(spec.removeprefix("gsm8k:"))
+    elif os.path.isfile(spec):
+        ds = _read_file(spec)
+    elif os.path.splitext(spec)[1].lower() in FILE_KINDS:
+        raise DataError(f"dataset file {spec} does not exist")
+    else:
+        try:
+            ds = load_dataset(spec, split=split)
+        except Exception as exc:  # noqa: BLE001
+            raise DataError(f"--rollout.dataset {spec!r}: no built-in set, no file, no hub dataset ({exc})") from None
+    check_rows(ds, spec)
     if "prompt_id" not in ds.column_names:
         ds = ds.add_column("prompt_id", [f"row-{i}" for i in range(len(ds))])
     return ds
+
+
+# -- train / eval split ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptData:
+    train: Dataset
+    eval: Dataset  # may be empty (eval_size 0)
+    eval_name: str  # what the evaluation set is, for humans
+    eval_id: str  # fingerprint of the evaluation set: accuracies are comparable only within one
+
+    @property
+    def fingerprint(self) -> str:
+        """Of the training prompts (their identity and levels): a data cursor is reused only for the same data."""
+        h = hashlib.sha256()
+        for row in self.train.select_columns(["prompt_id"]):
+            h.update(str(row["prompt_id"]).encode() + b"\0")
+        h.update(str(len(self.train)).encode())
+        return h.hexdigest()[:16]
+
+
+def _fingerprint(ds: Dataset) -> str:
+    h = hashlib.sha256()
+    for row in ds:
+        h.update(prompt_key(row["prompt"]).encode() + b"\0" + str(row.get("answer", "")).encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def load_data(dataset: str, eval_dataset: str, eval_size: int, split: str = "train") -> PromptData:
+    """The training prompts and the held-out evaluation set, disjoint by prompt."""
+    train = read_dataset(dataset, split)
+    if eval_size == 0:
+        ev, name = train.select([]), "none"
+    elif eval_dataset:
+        ev, name = read_dataset(eval_dataset, split), eval_dataset
+        ev = ev.select(range(min(eval_size, len(ev))))
+    elif dataset == "arithmetic":
+        ev = arithmetic_eval(eval_size)
+        name = f"arithmetic: {len(ev)} sums with operands in [0, {ARITHMETIC_EVAL_MAX_OPERAND}]"
+    else:
+        if len(train) <= eval_size:
+            raise DataError(
+                f"dataset {dataset} has {len(train)} rows: too few to hold {eval_size} out for evaluation; "
+                "lower --rollout.eval-size or give --rollout.eval-dataset"
+            )
+        held = sorted(random.Random(EVAL_SEED).sample(range(len(train)), eval_size))
+        ev, name = train.select(held), f"{dataset}: {eval_size} rows held out"
+    keys = {prompt_key(p) for p in ev["prompt"]} if len(ev) else set()
+    if keys:
+        train = train.filter(lambda row: prompt_key(row["prompt"]) not in keys)
+    if len(train) == 0:
+        raise DataError(f"dataset {dataset}: no training prompt is left once the evaluation set is held out")
+    return PromptData(train, ev, name, _fingerprint(ev) if len(ev) else "none")

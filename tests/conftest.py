@@ -251,6 +251,12 @@ def local_run(tmp_path_factory, model_dir):
         f"http://127.0.0.1:{proxy_port}",
         "--local.base-port",
         str(free_port()),
+        "--rollout.eval-size",  # a small held-out set: the base, every 2 versions and the final one
+        "16",
+        "--rollout.eval-every-versions",
+        "2",
+        "--rollout.eval-max-tokens",
+        "16",
         "--local.max-wall-s",
         "900",
     ]

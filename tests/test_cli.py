@@ -93,7 +93,8 @@ def test_cpu_jobs_do_not_need_torch():
     """The proxy and rollout worker run on small CPU machines: their imports and their install leave torch out."""
     code = (
         "import sys, infra.cli, infra.config, rollout_worker.main, rollout_worker.prompts, bucket.rollouts; "
-        "rollout_worker.prompts.arithmetic(4, 9, 0); "
+        "import rollout_worker.rewards; rollout_worker.prompts.load_data('arithmetic', '', 8); "
+        "rollout_worker.rewards.math_verify_reward(['1/2'], ['0.5']); "
         "bad = [m for m in ('torch', 'transformers', 'vllm', 'peft') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -14,16 +14,44 @@ import time
 
 from conftest import REPO_ROOT, free_port, stop, wait_http
 
+from bucket.datacursor import read_data_cursor
 from bucket.rollouts import RolloutShard, read_shards
+from rollout_worker.prompts import load_data
+from rollout_worker.sampler import PromptSampler
 
 
-def worker_shards(store) -> list[RolloutShard]:
-    reads = [r for r in read_shards(store, {}) if r.record.writer == "w-sigterm"]
+def worker_shards(store, worker: str = "w-sigterm") -> list[RolloutShard]:
+    reads = [r for r in read_shards(store, {}) if r.record.writer == worker]
     assert all(r.shard is not None for r in reads), [r.error for r in reads]
     return [r.shard for r in reads]
 
 
-def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
+def worker_argv(store_url: str, port: int, *flags: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rollout_worker",
+        "--bucket",
+        store_url,
+        "--bucket.manifest-wait-s",
+        "5",
+        "--rollout.proxy-url",
+        f"http://127.0.0.1:{port}",
+        "--rollout.worker-id",
+        "w-sigterm",
+        "--rollout.max-unconsumed-groups",
+        "0",
+        "--rollout.max-inflight-groups",
+        "2",
+        "--rollout.max-completion-length",
+        "6",
+        "--rollout.eval-size",
+        "0",
+        *flags,
+    ]
+
+
+def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_data(vllm_replicas, tmp_path):
     store, _, manifest = vllm_replicas
     port = free_port()
     common = ["--bucket", store.url, "--bucket.manifest-wait-s", "5"]
@@ -39,24 +67,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
         wait_http(f"http://127.0.0.1:{port}/health", 60, proxy)
         with open(worker_log, "wb") as out:
             worker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rollout_worker",
-                    *common,
-                    "--rollout.proxy-url",
-                    f"http://127.0.0.1:{port}",
-                    "--rollout.worker-id",
-                    "w-sigterm",
-                    "--rollout.groups-per-shard",
-                    "3",
-                    "--rollout.max-unconsumed-groups",
-                    "0",
-                    "--rollout.max-inflight-groups",
-                    "2",
-                    "--rollout.max-completion-length",
-                    "6",
-                ],
+                worker_argv(store.url, port, "--rollout.groups-per-shard", "3"),
                 cwd=REPO_ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -69,6 +80,24 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
         time.sleep(2)  # let more groups finish, so some are scored but not yet in a full shard
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0, worker_log.read_text()[-3000:]
+        # The data cursor says how far the worker got; restarted under the same id, it goes on from there.
+        cursor = read_data_cursor(store, "w-sigterm")
+        assert cursor is not None
+        written = sum(len(s.groups) for s in worker_shards(store))
+        # past every written group but those finished after a group still in flight (at most 2 in flight)
+        assert written - 2 <= sum(cursor.positions.values()) <= written
+        expected = PromptSampler(load_data("arithmetic", "", 0), "w-sigterm", 0, cursor=cursor)
+        upcoming = {expected.next()[1]["prompt_id"] for _ in range(2)}
+        restart = subprocess.run(
+            worker_argv(store.url, port, "--rollout.max-groups", "2", "--rollout.groups-per-shard", "2"),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert restart.returncode == 0, restart.stderr[-3000:]
+        after = worker_shards(store)
+        assert {g.prompt_id for g in after[-1].groups} == upcoming
     finally:
         if worker is not None:
             stop(worker)
@@ -77,7 +106,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm(vllm_replicas, tmp_path):
     text = worker_log.read_text()
     m = re.search(r"stopped: (\d+) groups in (\d+) shards", text)
     assert m, text[-3000:]
-    shards = worker_shards(store)
+    shards = worker_shards(store)[:-1]  # the restarted worker's one shard is last
     # every group the worker scored is in the bucket, the last partial shard included
     assert sum(len(s.groups) for s in shards) == int(m.group(1))
     assert len(shards) == int(m.group(2))

@@ -24,6 +24,7 @@ from bucket.replicas import ReplicaInfo
 from bucket.rollouts import read_shards
 from bucket.store import NotFound, Store
 from bucket.timeline import VERSION_KINDS, Timeline, VersionSync
+from infra.summary import learning_figures
 
 log = logging.getLogger("brigade.dashboard")
 
@@ -94,6 +95,8 @@ class RunData:
         self.unknown: dict[str, list[dict[str, Any]]] = {}  # kind -> its latest events (kinds this code predates)
         self.replica_events: list[dict[str, Any]] = []  # sidecars' started / stopped, the proxy's membership
         self.routing: list[dict[str, Any]] = []  # the proxy's routing snapshots
+        self.evals: list[dict[str, Any]] = []  # held-out accuracy per evaluated version, by ts
+        self.reward_failures = 0
         self.first_ts: float | None = None
         self.last_ts: float | None = None
         self.first_seen: dict[int, float] = {}  # version -> when this dashboard first read its publish (monotonic)
@@ -151,7 +154,11 @@ class RunData:
             self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
             kind = str(e.get("kind", ""))
             self.kinds[kind] += 1
-            if kind not in DRAWN_KINDS:
+            if kind == events.EVAL:
+                bisect.insort(self.evals, e, key=lambda x: x["ts"])
+            elif kind == events.REWARD_FAILED:
+                self.reward_failures += 1
+            elif kind not in DRAWN_KINDS:
                 _keep(self.unknown.setdefault(kind, []), e)
             elif kind == events.TRAIN_STEP:
                 bisect.insort(self.steps, e, key=lambda x: x["ts"])
@@ -303,4 +310,5 @@ class RunData:
             "groups_skipped_zero_variance": sum(len(st.skipped_zero_variance) for st in lineage),
             "groups_pending": len(lineage[-1].pending) if lineage else 0,
             "done": self.done is not None,
+            **learning_figures(self.evals, steps, self.reward_failures, self.first_ts),
         }

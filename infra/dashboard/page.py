@@ -141,6 +141,22 @@ def figures(s: dict[str, Any]) -> str:
             + " pending",
         )
         + fig("finished", _metric("done", s["done"], "yes" if s["done"] else "no"))
+        + fig(
+            "held-out accuracy (greedy)",
+            _metric("base_accuracy", s.get("base_accuracy"), _f(s.get("base_accuracy")))
+            + " &rarr; "
+            + _metric("final_accuracy", s.get("final_accuracy"), _f(s.get("final_accuracy"))),
+            "version "
+            + _metric("final_accuracy_version", s.get("final_accuracy_version"), str(s.get("final_accuracy_version")))
+            + ", "
+            + _metric("accuracy_curve", s.get("accuracy_curve", []), str(len(s.get("accuracy_curve", []))))
+            + " evaluations",
+        )
+        + fig(
+            "reward functions",
+            _metric("reward_failures", s.get("reward_failures", 0), str(s.get("reward_failures", 0))) + " failed",
+            _metric("reward_curve", s.get("reward_curve", []), str(len(s.get("reward_curve", [])))) + " steps scored",
+        )
         + "</div></section>"
     )
 

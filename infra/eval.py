@@ -1,0 +1,128 @@
+"""`brigade eval`: held-out accuracy of the base model and adapter versions of a run, through its proxy.
+
+The evaluation set, the answer check and the greedy settings are the rollout
+worker's (`[rollout]` table: dataset, eval_dataset, eval_size, eval_max_tokens,
+eval_judge), so a number here is comparable with the ones the worker records
+during the run. Each version is loaded on the replicas through the proxy
+(and unloaded again if this command loaded it); each result is appended to
+the bucket as an `eval` event, which `brigade summary` and the dashboard read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import httpx
+
+from bucket import adapters, layout
+from bucket.events import EventLog
+from bucket.manifest import RunManifest, read_manifest
+from bucket.rollouts import SamplingParams
+from bucket.settings import ConfigError, open_bucket, setup_logging
+from bucket.store import BucketError, Store
+from infra.config import Config, add_flags, load
+
+DESCRIPTION = (
+    "Greedy held-out accuracy of the base model and adapter versions, through the proxy; results to the bucket."
+)
+
+
+def parse_versions(text: str, store: Store) -> list[int]:
+    """'0,3,latest' / 'all': 0 is the base model; every adapter version named must be committed."""
+    committed = adapters.committed_versions(store)
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part == "all":
+            out += [0, *committed]
+        elif part == "latest":
+            if not committed:
+                raise ConfigError("--versions latest: the bucket holds no committed adapter version yet")
+            out.append(committed[-1])
+        elif part.isdigit():
+            v = int(part)
+            if v and v not in committed:
+                raise ConfigError(f"--versions: adapter version {v} is not committed in the bucket ({committed})")
+            out.append(v)
+        else:
+            raise ConfigError(f"--versions: {part!r} is not a version number, 'latest' or 'all'")
+    return list(dict.fromkeys(out))
+
+
+async def _load(client: httpx.AsyncClient, manifest: RunManifest, version: int) -> bool:
+    """Have the proxy load a version on every replica; True when this call loaded it (so it unloads it after)."""
+    resp = await client.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": manifest.lora_name(version), "lora_path": layout.adapter_key(version)},
+    )
+    if resp.status_code == 200:
+        return True
+    if "already" in resp.text:
+        return False
+    raise ConfigError(f"the proxy could not load version {version} (HTTP {resp.status_code}): {resp.text[:300]}")
+
+
+async def evaluate_versions(config: Config, versions_text: str) -> list[dict[str, Any]]:
+    from rollout_worker.evaluation import Evaluator
+    from rollout_worker.generation import Generator
+    from rollout_worker.main import wait_for_proxy
+    from rollout_worker.prompts import load_data
+
+    rc = config.rollout
+    store = open_bucket(config.bucket)
+    manifest = read_manifest(store)
+    versions = parse_versions(versions_text, store)
+    data = load_data(rc.dataset, rc.eval_dataset, rc.eval_size or 200, rc.dataset_split)
+    ev = EventLog(store, "eval")
+    results = []
+    async with httpx.AsyncClient(base_url=rc.proxy_url, timeout=rc.request_timeout_s) as client:
+        await wait_for_proxy(client, rc.proxy_url, 30)
+        generator = Generator(client, manifest.base_model, SamplingParams(temperature=0.0), rc.eval_max_tokens)
+        evaluator = Evaluator(client, generator, data, rc.eval_judge, rc.eval_max_tokens)
+        try:
+            for v in versions:
+                model = manifest.base_model if v == 0 else manifest.lora_name(v)
+                loaded = v != 0 and await _load(client, manifest, v)
+                try:
+                    result = await evaluator.evaluate(v, model)
+                finally:
+                    if loaded:
+                        await client.post("/v1/unload_lora_adapter", json={"lora_name": model})
+                evaluator.emit(ev, result, model)
+                row = {"version": v, "accuracy": result.accuracy, "correct": result.correct, "total": result.total}
+                counts = f"{result.correct}/{result.total}, {result.seconds:.1f}s"
+                print(f"  v{v:<6} accuracy {result.accuracy:.3f}  ({counts})")
+                results.append(row)
+        finally:
+            evaluator.close()
+    print(f"evaluation set: {data.eval_name} (id {data.eval_id})")
+    return results
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser.add_argument("--log-level", default="INFO", help="Python logging level.")
+    parser.add_argument(
+        "--versions", default="0,latest", help="Comma-separated: 0 = the base model, N, 'latest', or 'all'."
+    )
+    add_flags(parser, ["run", "bucket", "rollout"])
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "brigade eval") -> int:
+    args = build_parser(prog).parse_args(argv)
+    setup_logging(args.log_level or "INFO")
+    try:
+        results = asyncio.run(evaluate_versions(load(args), args.versions))
+    except (ConfigError, BucketError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
