@@ -43,14 +43,6 @@ from bucket.rollouts import GroupId, ShardRead
 from bucket.store import Store
 
 STAGES = ("step_done", "committed", "detected", "fanout_started", "loaded_all", "first_rollout")
-STAGE_JOB = {
-    "step_done": "trainer",
-    "committed": "trainer",
-    "detected": "rollout",
-    "fanout_started": "proxy",
-    "loaded_all": "proxy",
-    "first_rollout": "rollout",
-}
 # Event kinds that belong to one adapter version (field `version`).
 VERSION_KINDS = frozenset(
     {
@@ -382,10 +374,3 @@ class Timeline:
         if reference:
             bounds.insert(0, ClockBounds(reference, self.jobs.get(reference, ""), 0.0, 0.0, direct[reference]))
         return Clocks(reference, bounds)
-
-
-def read_timeline(store: Store) -> list[VersionSync]:
-    """Every version's stages, read once from the bucket's events (without the per-replica first rollouts)."""
-    timeline = Timeline()
-    timeline.poll(store)
-    return timeline.versions()
