@@ -5,8 +5,8 @@ The stages of version v, in order, each read on the wall clock of the job that w
   step_done       trainer  the train_step event of the step v was published at (none for the initial version)
   committed       trainer  COMMITTED.json written (adapter_published's `committed_at`)
   detected        rollout  the rollout worker first saw adapters/LATEST.json point at v (adapter_detected)
-  fanout_started  proxy    the proxy received the load request: its first adapter_loaded's ts minus the
-                           fan-out's `seconds`, both on the proxy's clock
+  fanout_started  proxy    the proxy received the load request: adapter_loaded_all's `started_at` (events
+                           of older proxies: the first adapter_loaded's ts minus the fan-out's `seconds`)
   loaded_all      proxy    adapter_loaded_all: loaded on every replica (`brigade summary` measures to it)
   first_rollout   rollout  the first scored group generated with v (adapter_first_rollout)
 
@@ -267,6 +267,8 @@ class Timeline:
                 and end.body["ts"] - seconds <= r.body["ts"] <= end.body["ts"]
             ]
             start = min((r.body["ts"] for r in fanout), default=end.body["ts"]) - seconds
+            if isinstance(end.body.get("started_at"), int | float):
+                start = float(end.body["started_at"])  # stamped when the request arrived (older proxies: derived)
             out.at["fanout_started"], out.clock["fanout_started"] = start, end.writer
         if done is not None:
             out.at["loaded_all"], out.clock["loaded_all"] = float(done.body["ts"]), done.writer

@@ -232,7 +232,7 @@ class AdapterFanout:
         return resp
 
     async def _load_adapter(self, body: Any) -> Response:
-        received = time.monotonic()
+        received, started_at = time.monotonic(), time.time()  # the wall clock goes into the events
         ad = await self._checked_request(body)
         if isinstance(ad, Response):
             return ad
@@ -255,8 +255,9 @@ class AdapterFanout:
             probe_failed: dict[str, str] = {}
             if not failed and ad.canary is not None:
                 # A version counts as loaded once the replica's canary logprobs match it (probe included in timings).
-                # One replica at a time: each is probed alone, and the others keep serving meanwhile.
-                verdicts = [await self._probe_and_repair(r, ad) for r in targets]
+                # All replicas at once: each drains and answers its probe alone, and the load then takes the
+                # slowest replica's drain, not their sum (a replica idles for its own drain either way).
+                verdicts = await asyncio.gather(*(self._probe_and_repair(r, ad) for r in targets))
                 probe_failed = {t.replica_id: v.reason for t, v in zip(targets, verdicts) if not v.ok}
                 now = time.monotonic()
                 for r in results:
@@ -286,8 +287,8 @@ class AdapterFanout:
                 state.loaded[ad.lora_name] = ad
         seconds = time.monotonic() - received
         if failed:
-            return await self._load_failed(ad, results, failed, rolled_back, seconds)
-        return await self._load_succeeded(ad, results, received, seconds, probe_failed)
+            return await self._load_failed(ad, results, failed, rolled_back, seconds, started_at)
+        return await self._load_succeeded(ad, results, received, seconds, started_at, probe_failed)
 
     async def _load_succeeded(
         self,
@@ -295,6 +296,7 @@ class AdapterFanout:
         results: list[ReplicaResult],
         received: float,
         seconds: float,
+        started_at: float,
         probe_failed: dict[str, str] | None = None,
     ) -> Response:
         self.state.metrics.load_seconds.observe(seconds)
@@ -314,6 +316,7 @@ class AdapterFanout:
             version=ad.version,
             lora_name=ad.lora_name,
             seconds=round(seconds, 4),
+            started_at=started_at,
             replicas=len(results),
             probed=ad.canary is not None,
             ejected_by_probe=sorted(probe_failed or {}),
@@ -350,6 +353,7 @@ class AdapterFanout:
         failed: list[ReplicaResult],
         rolled_back: list[ReplicaResult],
         seconds: float,
+        started_at: float,
     ) -> Response:
         for r in failed:
             self.state.metrics.load_failures.labels(r.replica).inc()
@@ -359,6 +363,7 @@ class AdapterFanout:
             version=ad.version,
             lora_name=ad.lora_name,
             seconds=round(seconds, 4),
+            started_at=started_at,
             failed={r.replica: r.reason for r in failed},
             rolled_back=[r.replica for r in rolled_back if r.ok],
             rollback_failed=stuck,

@@ -31,7 +31,7 @@ from bucket.rollouts import RolloutShard, Sample, SamplingParams, ScoredGroup, r
 from bucket.store import Store
 from bucket.timeline import Timeline
 from infra.dashboard import health, page, terminal
-from infra.dashboard.data import RunData
+from infra.dashboard.data import RunData, percentile
 from infra.summary import summarize
 
 ARTIFACTS = os.path.join(REPO_ROOT, "test-artifacts")
@@ -126,6 +126,20 @@ def test_stages_and_clock_bounds_from_events(tmp_path):
     # committed before the fan-out: at most +0.31; chained through the rollout worker: at least -2.08
     assert (proxy.low, proxy.high) == pytest.approx((-2.08, 0.31)) and proxy.estimate == 0.0
     assert clocks.skew_between("trainer-a", "rollout-w-events") == pytest.approx((3.5, 5.3))
+
+
+def test_fanout_start_is_the_time_the_proxy_stamped(tmp_path):
+    """A proxy stamps `started_at` on adapter_loaded_all when the load request arrived: the stage does not
+    depend on how soon its per-replica events were written (a busy proxy writes them late)."""
+    store = Store(str(tmp_path / "bucket"))
+    store.check_reachable(create=True)
+    _event(store, "trainer-a", "adapter_published", 50.1, version=1, step=2, lora_name="r-v000001", committed_at=50.0)
+    _event(store, "proxy-a", "adapter_loaded", 53.0, version=1, replica="r0", seconds=0.5)
+    _event(store, "proxy-a", "adapter_loaded_all", 53.0, version=1, seconds=0.6, started_at=52.0, replicas=1)
+    timeline = Timeline()
+    timeline.poll(store)
+    v1 = timeline.version(1)
+    assert v1.at["fanout_started"] == 52.0 and v1.replicas["r0"].loaded_at == pytest.approx(52.5)
 
 
 def test_summary_figures_health_and_unknown_kinds(tmp_path):
@@ -248,7 +262,7 @@ def _dashboard(tmp_path, bucket: str, *flags: str):
         log.close()
 
 
-def test_page_shows_the_summary_and_a_green_banner(local_run, chromium, tmp_path):
+def test_page_shows_the_summary_and_the_banner_it_implies(local_run, chromium, tmp_path):
     proc, store = local_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with _dashboard(tmp_path, store.url) as url:
@@ -268,7 +282,19 @@ def test_page_shows_the_summary_and_a_green_banner(local_run, chromium, tmp_path
     assert text["trained_samples_per_s"] == format(ref["trained_samples_per_s"], ".2f")
     assert text["ratio_mean"] == format(ref["ratio_mean"], ".4f")
     assert text["sync_p50_s"] == format(ref["sync_p50_s"], ".2f")
-    assert dom.banner_state == "ok", dom.banner_text
+    # The banner judges what the run measured: green only when every version reached every replica and
+    # the p95 of committed -> loaded over the last 10 is within the limit (a loaded CI machine can miss it;
+    # then it must be red and name the slowest stage).
+    assert all(v["replicas_loaded"] for v in ref["versions"] if v["commit_to_all_loaded_s"] is not None)
+    synced = [v["commit_to_all_loaded_s"] for v in ref["versions"] if v["commit_to_all_loaded_s"] is not None]
+    p95 = percentile(synced[-health.WINDOW :], 95)
+    assert p95 is not None
+    if p95 <= health.P95_LIMIT_S:
+        assert dom.banner_state == "ok", dom.banner_text
+        assert f"p95 committed → loaded over the last {len(synced[-health.WINDOW :])} versions" in dom.banner_text
+    else:
+        assert dom.banner_state == "fault", dom.banner_text
+        assert " s > 2 s; slowest stage " in dom.banner_text, dom.banner_text
 
 
 def test_banner_turns_red_naming_the_replica_at_fault(local_run, chromium, tmp_path):
