@@ -39,7 +39,8 @@ TOOLS: dict[str, tuple[str, list[str], str]] = {
     "local": (
         "infra.local",
         ["run", "bucket", "trainer", "rollout", "proxy", "replica", "local"],
-        "Run everything on this machine: replicas, proxy, rollout worker and trainer, against a local-folder bucket.",
+        "Run everything on this machine: replicas, proxy, rollout worker and trainer, against a local-folder or "
+        "s3:// bucket (--local.s3-server true starts a loopback S3 server for it).",
     ),
     "init": (
         "infra.init_run",

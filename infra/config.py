@@ -34,6 +34,12 @@ class LocalConfig(BaseModel):
     )
     max_wall_s: float = Field(1800.0, gt=0, description="Stop everything (with an error) after this many seconds.")
     runs_dir: str = Field("runs", description="Where a new run's bucket and logs go when --bucket.url is not given.")
+    s3_server: bool = Field(
+        False,
+        description="Start a loopback S3 server (moto) for the run and use an s3:// bucket on it (s3://brigade-local/"
+        "<run> unless --bucket names one): the object-store path on one machine. Its objects are gone when the "
+        "run ends.",
+    )
 
 
 TABLES: dict[str, type[BaseModel]] = {  # the order of --help and of a written run.toml

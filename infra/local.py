@@ -1,10 +1,15 @@
-"""`brigade local`: the whole system on one machine, against a local-folder bucket.
+"""`brigade local`: the whole system on one machine, against a local-folder bucket or an s3:// one.
 
 Each job runs as its own process through its own entry point, exactly as a
 real deployment runs it (`python -m replica`, `-m proxy`, `-m rollout_worker`,
 `-m trainer`, each given the run's full config.toml and reading its own
 tables), so the jobs still coordinate only through the bucket and HTTP.
 Logs go to <run dir>/logs/<job>.log; progress is read back from the bucket.
+
+With an s3:// bucket every job goes through the object-store code path (the
+replicas through their adapter mirror); `--local.s3-server true` starts a
+loopback S3 server (infra/s3server.py) for it, so that path can be tried on
+one machine without a cloud account.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from bucket import appendlog, events, layout, replicas
 from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError, to_toml
+from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
 from infra.summary import render, summarize
 
 log = logging.getLogger("brigade.local")
@@ -137,15 +143,30 @@ class Progress:
                 print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
 
-def _open_local_bucket(config: Config) -> Store:
-    """The run's bucket, a new folder under `runs_dir` unless --bucket names one; it must be a local path."""
-    if not config.bucket.url:
-        run_dir = os.path.abspath(os.path.join(config.local.runs_dir, time.strftime("local-%Y%m%d-%H%M%S")))
+def _run_dir(config: Config) -> str:
+    """Where logs, config.toml and summary.json go: beside a local bucket, else a new folder under `runs_dir`."""
+    if config.bucket.url and Store(config.bucket.url).is_local:
+        return os.path.dirname(os.path.abspath(config.bucket.url.rstrip("/")))
+    return os.path.abspath(os.path.join(config.local.runs_dir, time.strftime("local-%Y%m%d-%H%M%S")))
+
+
+def _open_bucket(config: Config, run_dir: str, logs: str) -> tuple[Store, LoopbackS3 | None]:
+    """The run's bucket: --bucket, else a new folder in the run dir (or an s3:// bucket on the loopback server)."""
+    server = None
+    if config.local.s3_server:
+        server = start_loopback_s3(os.path.join(logs, "s3-server.log"))
+        use_loopback_s3(server)  # the jobs inherit the endpoint and credentials
+        print(f"loopback S3 server (moto) on {server.endpoint}; its objects are gone when the run ends", flush=True)
+        try:
+            if not config.bucket.url:
+                config.bucket.url = f"s3://brigade-local/{os.path.basename(run_dir)}"
+            create_bucket(config.bucket.url)
+        except BaseException:
+            server.stop()
+            raise
+    elif not config.bucket.url:
         config.bucket.url = os.path.join(run_dir, "bucket")
-    store = Store(config.bucket.url)
-    if not store.is_local:
-        raise ConfigError("`brigade local` runs against a local-folder bucket; for s3:// run the jobs one by one")
-    return store
+    return Store(config.bucket.url), server
 
 
 def _write_config(config: Config, run_dir: str) -> str:
@@ -326,15 +347,23 @@ def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:
 
 
 def run(config: Config) -> int:
-    store = _open_local_bucket(config)
-    run_dir = os.path.dirname(store.root)
+    run_dir = _run_dir(config)
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
+    store, s3_server = _open_bucket(config, run_dir, logs)
+    try:
+        return _run_in(config, store, run_dir, logs)
+    finally:
+        if s3_server is not None:
+            s3_server.stop()  # last: the summary above was read from it
+
+
+def _run_in(config: Config, store: Store, run_dir: str, logs: str) -> int:
     store.check_reachable(create=True)
     _ensure_model(config)
     manifest = init_or_check(store, config.run, "local")
     cfg_path = _write_config(config, run_dir)
-    print(f"run {manifest.run_id}: bucket {store.root}\n  logs in {logs}", flush=True)
+    print(f"run {manifest.run_id}: bucket {store.url}\n  logs in {logs}", flush=True)
 
     local = LocalRun(config, store, cfg_path, logs)
     signal.signal(signal.SIGTERM, _raise_interrupt)
