@@ -6,14 +6,16 @@ as in a deployment.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 
-from conftest import REPO_ROOT, free_port, stop, wait_http
+from conftest import REPO_ROOT, free_port, make_adapter_files, stop, wait_http
 
+from bucket import adapters
 from bucket.datacursor import read_data_cursor
 from bucket.rollouts import RolloutShard, read_shards
 from rollout_worker.prompts import load_data
@@ -51,12 +53,17 @@ def worker_argv(store_url: str, port: int, *flags: str) -> list[str]:
     ]
 
 
-def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_data(vllm_replicas, tmp_path):
+def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_data(vllm_replicas, model_dir, tmp_path):
     store, _, manifest = vllm_replicas
+    # A committed version for the worker to load, through a proxy whose admin endpoints need a token.
+    version = adapters.next_version(store)
+    adapters.publish(store, version, make_adapter_files(model_dir, str(tmp_path / "adapter"), seed=7))
+    env = {**os.environ, "BRIGADE_PROXY_ADMIN_TOKEN": "test-admin-token"}
     port = free_port()
     common = ["--bucket", store.url, "--bucket.manifest-wait-s", "5"]
     proxy = subprocess.Popen(
         [sys.executable, "-m", "proxy", *common, "--proxy.port", str(port), "--proxy.refresh-s", "0.5"],
+        env=env,
         cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -68,6 +75,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
         with open(worker_log, "wb") as out:
             worker = subprocess.Popen(
                 worker_argv(store.url, port, "--rollout.groups-per-shard", "3"),
+                env=env,
                 cwd=REPO_ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -90,6 +98,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
         upcoming = {expected.next()[1]["prompt_id"] for _ in range(2)}
         restart = subprocess.run(
             worker_argv(store.url, port, "--rollout.max-groups", "2", "--rollout.groups-per-shard", "2"),
+            env=env,
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
@@ -110,6 +119,8 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
     # every group the worker scored is in the bucket, the last partial shard included
     assert sum(len(s.groups) for s in shards) == int(m.group(1))
     assert len(shards) == int(m.group(2))
+    # the worker sent the proxy's token: it loaded the version and generated with it
+    assert version in {g.adapter_version for s in shards for g in s.groups}, text[-3000:]
     for shard in shards:
         for g in shard.groups:
             assert len(g.samples) == manifest.num_generations
