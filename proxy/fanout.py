@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +29,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from bucket import adapters, events, layout
 from bucket.canary import read_canary
 from bucket.replicas import ReplicaInfo
+from proxy import adapter_import
 from proxy.errors import error_response
 from proxy.event_writer import EventWriter
-from proxy.lora_paths import AdapterRef, BadAdapterPath, error_message, version_dir_of
+from proxy.lora_paths import AdapterRef, BadAdapterPath, NotAVersionFolder, error_message, version_dir_of
 from proxy.state import ProxyState
 from proxy.upstream import ReplicaResult, Upstream
 
@@ -91,6 +93,7 @@ class AdapterFanout:
         self.events = events
         self.on_probe_failed: Callable[[str, str], None] = lambda rid, why: None
         self.on_load_failed: Callable[[str], None] = lambda why: None  # ends a pause (a client may never resume)
+        self.imported: dict[str, adapter_import.Imported] = {}  # client adapter folders made versions, by name
 
     async def probe_joiner(self, info: ReplicaInfo) -> str | None:
         """Before a joiner gets traffic: the canary probe of every loaded version (None = it serves them all)."""
@@ -209,6 +212,8 @@ class AdapterFanout:
             )
         try:
             vdir = version_dir_of(self.state.store, path)
+        except NotAVersionFolder as exc:
+            return await self._import(name, exc.folder)
         except BadAdapterPath as exc:
             return error_response(400, str(exc))
         version = layout.parse_version_dir(vdir)
@@ -222,6 +227,36 @@ class AdapterFanout:
                 "writer died; load a committed version",
             )
         return AdapterRef(name, version, vdir, read_canary(marker))
+
+    async def _import(self, name: str, folder: str) -> AdapterRef | Response:
+        """A client's adapter folder inside the bucket as a committed version (adapter_import.py says when)."""
+        store = self.state.store
+        try:
+            files, digest = await asyncio.to_thread(adapter_import.read_folder, store, folder)
+        except adapter_import.ImportRefused as exc:
+            return error_response(exc.status, str(exc))
+        known = self.imported.get(name)
+        if known is not None and known.digest == digest:  # the same request again: the same version
+            return AdapterRef(name, known.version, adapter_import.version_dir(known))
+        prefix = adapter_import.new_run_prefix(name)
+        if (known is not None or name in self.state.loaded) and prefix is None:
+            return error_response(
+                409,
+                f"lora_name {name!r} is already loaded with other weights: vLLM keys its prefix cache by "
+                "adapter name and would serve KV computed under the old ones. Load each version under a new "
+                "name (a new run may reuse the names from its first version, ...-v1, on)",
+            )
+        if prefix is not None:  # a new run: the old run's versions of these names go first
+            pattern = re.compile(rf"^{re.escape(prefix)}-v\d+$")
+            for old in [n for n in list(self.state.loaded) if pattern.match(n)]:
+                resp = await self.unload_adapter({"lora_name": old})
+                if resp.status_code != 200:
+                    return resp
+            self.imported = {n: i for n, i in self.imported.items() if not pattern.match(n)}
+        imported = await asyncio.to_thread(adapter_import.publish_import, store, folder, name, files, digest)
+        self.imported[name] = imported
+        log.info("imported %s from %s as %s", name, folder, adapter_import.version_dir(imported))
+        return AdapterRef(name, imported.version, adapter_import.version_dir(imported))
 
     async def load_adapter(self, body: Any) -> Response:
         resp = await self._load_adapter(body)

@@ -26,6 +26,14 @@ class BadAdapterPath(ValueError):
     """lora_path does not name an adapter version folder inside the bucket (HTTP 400)."""
 
 
+class NotAVersionFolder(BadAdapterPath):
+    """lora_path names a folder inside the bucket that is not a version folder (a client's own adapter folder)."""
+
+    def __init__(self, message: str, folder: str) -> None:
+        super().__init__(message)
+        self.folder = folder  # bucket key of the folder
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     lora_name: str
@@ -62,7 +70,8 @@ def version_dir_of(store: Store, lora_path: object) -> str:
     """The version folder (vNNNNNN) that `lora_path` names inside the bucket's adapters/, or BadAdapterPath.
 
     Accepted: a bucket key `adapters/v000003`, the same under the bucket URL
-    (`s3://b/run/adapters/v000003`), or under the bucket's local folder.
+    (`s3://b/run/adapters/v000003`), or under the bucket's local folder. Another folder inside the bucket
+    (outside adapters/) raises NotAVersionFolder, which the proxy may import (adapter_import.py).
     """
     if not isinstance(lora_path, str) or not lora_path.strip():
         raise BadAdapterPath("lora_path must be a non-empty string naming an adapter version, e.g. adapters/v000003")
@@ -70,10 +79,13 @@ def version_dir_of(store: Store, lora_path: object) -> str:
         raise BadAdapterPath(f"lora_path {lora_path!r} contains '..': adapters are loaded only from inside the bucket")
     parts = [p for p in _bucket_relative(store, lora_path).split("/") if p not in ("", ".")]
     if len(parts) != 2 or parts[0] != layout.ADAPTERS or layout.parse_version_dir(parts[1]) is None:
-        raise BadAdapterPath(
+        message = (
             f"lora_path {lora_path!r} does not name an adapter version folder: use "
             f"{layout.ADAPTERS}/vNNNNNN (a folder the trainer published in the bucket)"
         )
+        if parts and parts[0] != layout.ADAPTERS:
+            raise NotAVersionFolder(message, "/".join(parts))
+        raise BadAdapterPath(message)
     return parts[1]
 
 
