@@ -440,6 +440,62 @@ def test_unload_fans_out_and_404_counts_as_unloaded(tmp_path):
     assert kinds(store)[-1] == events.UNLOADED
 
 
+def test_a_trl_adapter_folder_in_the_bucket_is_imported_under_its_own_name(tmp_path):
+    """TRL saves `<output_dir>/.vllm_lora/trl-policy-vN` and loads that path under that name. Fakes record the
+    path each replica was told: the committed copy, never the client's folder."""
+    store, manifest = make_store(tmp_path)
+    lora_dir = tmp_path / "bucket" / "trl-out" / ".vllm_lora"
+
+    def save(name: str, weights: bytes) -> str:
+        folder = lora_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "adapter_model.safetensors").write_bytes(weights)
+        (folder / "adapter_config.json").write_text('{"r": 1}')
+        return str(folder)
+
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+
+    async def load(client: httpx.AsyncClient, name: str, path: str) -> httpx.Response:
+        return await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    async def body():
+        async with running(store, manifest, config(fakes), fakes) as (proxy, client, _):
+            v1 = save("trl-policy-v1", b"weights one")
+            assert (await load(client, "trl-policy-v1", v1)).status_code == 200
+            first = proxy.loaded["trl-policy-v1"].version
+            marker = adapters.commit_marker(store, first)
+            assert marker["imported"]["from"] == "trl-out/.vllm_lora/trl-policy-v1"
+            assert adapters.read_verified(store, first)["adapter_model.safetensors"] == b"weights one"
+            assert {f.loaded["trl-policy-v1"] for f in fakes} == {f"/replica/adapters/{layout.version_dir(first)}"}
+            # a retried request: the same version, no new import
+            assert (await load(client, "trl-policy-v1", v1)).status_code == 200
+            assert adapters.committed_versions(store) == [first]
+            v2 = save("trl-policy-v2", b"weights two")
+            assert (await load(client, "trl-policy-v2", v2)).status_code == 200
+            # the same name with other weights within a run: vLLM would serve stale KV under it
+            save("trl-policy-v2", b"weights two, changed")
+            resp = await load(client, "trl-policy-v2", v2)
+            assert resp.status_code == 409 and "already loaded with other weights" in resp.text
+            # not an adapter folder, and a folder outside the bucket
+            empty = lora_dir / "nothing"
+            empty.mkdir()
+            resp = await load(client, "trl-policy-v3", str(empty))
+            assert resp.status_code == 400 and "has no adapter_model.safetensors" in resp.text
+            resp = await load(client, "trl-policy-v3", str(tmp_path))
+            assert resp.status_code == 400 and "outside this proxy's bucket" in resp.text
+            # a new run reuses the names: the old run's versions are unloaded, then its v1 is loaded
+            new_v1 = save("trl-policy-v1", b"new run")
+            assert (await load(client, "trl-policy-v1", new_v1)).status_code == 200
+            assert set(proxy.loaded) == {"trl-policy-v1"} and proxy.loaded["trl-policy-v1"].version > first
+            assert all(set(f.loaded) == {"trl-policy-v1"} for f in fakes)
+            assert (
+                adapters.read_verified(store, proxy.loaded["trl-policy-v1"].version)["adapter_model.safetensors"]
+                == b"new run"
+            )
+
+    run(body())
+
+
 # -- membership -----------------------------------------------------------------------
 
 
