@@ -1,14 +1,18 @@
 """Immutable, versioned adapters.
 
-Publish order: the adapter files, then COMMITTED.json (sizes + sha256 of each
-file), then adapters/LATEST.json. A reader trusts a version only once its
-commit marker exists, so a trainer that dies mid-upload leaves a folder that
-nobody loads; the next trainer skips that number instead of reusing it.
+Publish order: a claim of the version name (CLAIM.json, created exclusively),
+the adapter files, then COMMITTED.json (sizes + sha256 of each file), then
+adapters/LATEST.json. A reader trusts a version only once its commit marker
+exists, so a trainer that dies mid-upload leaves a folder that nobody loads;
+the next trainer skips that number instead of reusing it. The claim makes the
+name exclusive even between two trainers racing for it, wherever the store
+has atomic exclusive creates (bucket/store.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from typing import Any
 
@@ -16,6 +20,7 @@ from bucket import layout
 from bucket.store import BucketError, NotFound, Store
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+CLAIM = "CLAIM.json"
 
 
 class AdapterCorrupt(BucketError):
@@ -30,6 +35,16 @@ def next_version(store: Store) -> int:
     """One past every version folder ever started, committed or not: names are never reused."""
     versions = [v for v in (layout.parse_version_dir(n) for n in store.list(layout.ADAPTERS)) if v is not None]
     return max(versions, default=0) + 1
+
+
+def claim_version(store: Store, owner: str = "") -> int:
+    """A new version name that no other writer has or will get: one past every folder, created exclusively."""
+    while True:
+        version = next_version(store)
+        claim = json.dumps({"version": version, "owner": owner, "claimed_at": time.time()}).encode()
+        if store.put_if_absent(f"{layout.adapter_key(version)}/{CLAIM}", claim):
+            return version
+        # another writer took this number between our listing and our create: list again
 
 
 def publish(store: Store, version: int, files: dict[str, bytes], meta: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -8,13 +8,28 @@ backend:
   temporary file in the same directory and rename it into place.
 * Reads are never served from a listing cache: the jobs poll for objects that
   other machines create, so a cached "not there" would stall them.
+
+Transient errors of an object store (5xx, throttling, timeouts, dropped
+connections) are retried with exponential backoff and jitter by botocore's
+own "standard" retry mode (on top of s3fs's retries of unparsable answers),
+so a bucket hiccup costs a job a few hundred milliseconds, not its life.
+
+Exclusive creates (`put_if_absent`) are atomic where the store can make them
+so: a hard link on a local folder, a conditional PUT (`If-None-Match: *`) on
+S3 and the S3-compatible stores that implement it. A store that ignores or
+rejects the condition is detected once per process by a probe and falls
+back to check-then-put, which only guards against mistakes, not races
+(docs/architecture.md, "Exclusive creates").
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import posixpath
+import threading
 import uuid
 from typing import Any
 
@@ -22,6 +37,11 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 TEMP_PREFIX = ".tmp-"
+# botocore's standard mode retries 5xx, throttling and connection errors with exponential backoff
+# (base 0.5 s, capped at 20 s) and jitter; 10 attempts ride out several seconds of a flaky endpoint.
+S3_RETRY_ATTEMPTS = 10
+
+log = logging.getLogger("brigade.bucket")
 
 
 class BucketError(RuntimeError):
@@ -38,7 +58,20 @@ def _s3_options(url: str) -> dict[str, Any]:
     # config file. Credentials stay with botocore's usual chain.
     if not url.startswith("s3://"):
         return {}
-    opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
+    opts: dict[str, Any] = {
+        "use_listings_cache": False,
+        "skip_instance_cache": True,
+        "config_kwargs": {
+            # AWS_RETRY_MODE / AWS_MAX_ATTEMPTS still win, as botocore users expect.
+            "retries": {
+                "mode": os.environ.get("AWS_RETRY_MODE") or "standard",
+                "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_RETRY_ATTEMPTS),
+            },
+            # A hung connection is a transient error too: time it out so that it is retried.
+            "connect_timeout": 5,
+            "read_timeout": 30,
+        },
+    }
     endpoint = os.environ.get("BRIGADE_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint}
@@ -60,6 +93,8 @@ class Store:
             ) from exc
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
+        self._conditional: bool | None = None  # does the object store honour If-None-Match? (probed once)
+        self._probe_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -154,27 +189,81 @@ class Store:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create `key` only if it does not exist; True if this call created it.
 
-        Local folders get a real exclusive create (link() fails on an existing
-        name). On object stores this is check-then-put, which only guards
-        against mistakes (two writers with one id), not a true race; callers
-        rely on it only where one writer is expected.
+        Atomic on a local folder (link() fails on an existing name) and on object stores that honour
+        `If-None-Match: *` (AWS S3, moto, MinIO, R2, ...): of two racing writers exactly one wins.
+        Elsewhere it is check-then-put, which only guards against mistakes (two writers given one id).
         """
-        target = self.path(key)
-        if not self.is_local:
-            if self.fs.exists(target):
+        if self.is_local:
+            return self._link_if_absent(self.path(key), data)
+        if not self.conditional_writes():
+            if self.exists(key):
                 return False
-            self.fs.pipe_file(target, data)
+            self.fs.pipe_file(self.path(key), data)
             return True
+        return self._conditional_put(self.path(key), data)
+
+    def _conditional_put(self, target: str, data: bytes) -> bool:
+        try:
+            self.fs.pipe_file(target, data, mode="create")
+            return True
+        except FileExistsError:
+            # A retried PUT whose first attempt did land (its answer was lost) also fails the condition:
+            # the object then holds exactly our bytes, and it is ours.
+            try:
+                return bool(self.fs.cat_file(target) == data)
+            except FileNotFoundError:
+                return False
+
+    def conditional_writes(self) -> bool:
+        """Whether this object store honours `If-None-Match: *`; probed once with a throwaway object.
+
+        Some S3-compatible stores ignore the header (the second create would then silently overwrite)
+        and some reject it: both fall back to check-then-put.
+        """
+        with self._probe_lock:
+            if self._conditional is None:
+                probe = self.path(f"{TEMP_PREFIX}conditional-write-probe-{uuid.uuid4().hex}")
+                try:
+                    self.fs.pipe_file(probe, b"1", mode="create")
+                    try:
+                        self.fs.pipe_file(probe, b"2", mode="create")
+                        self._conditional = False  # the condition was ignored
+                    except FileExistsError:
+                        self._conditional = True
+                except FileExistsError:
+                    self._conditional = False  # a fresh name cannot exist: the store answers nonsense
+                except (OSError, NotImplementedError, TypeError, ValueError) as exc:
+                    log.warning("%s rejects conditional writes (%s); exclusive creates are check-then-put", self, exc)
+                    self._conditional = False
+                finally:
+                    try:
+                        self.fs.rm(probe)
+                    except (OSError, NotImplementedError):
+                        pass
+                if not self._conditional:
+                    log.warning("%s does not honour If-None-Match: exclusive creates fall back to check-then-put", self)
+            return self._conditional
+
+    def _link_if_absent(self, target: str, data: bytes) -> bool:
         directory = os.path.dirname(target)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         with open(tmp, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         try:
             os.link(tmp, target)
             return True
         except FileExistsError:
             return False
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EPERM, errno.ENOSYS):
+                raise
+            raise BucketError(
+                f"{self.url} does not support hard links ({exc.strerror}), which exclusive creates on a folder "
+                "need: it looks like a FUSE mount of an object store; give the jobs the s3:// URL instead"
+            ) from exc
         finally:
             os.unlink(tmp)
 

@@ -29,13 +29,13 @@ import httpx
 
 from bucket import events
 from bucket.datacursor import read_data_cursor, write_data_cursor
-from bucket.events import EventLog
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.progress import read_done
 from bucket.rollouts import SamplingParams, ScoredGroup
 from bucket.settings import BucketConfig, ConfigError, open_bucket
 from bucket.store import Store
 from rollout_worker.adapter_sync import AdapterSync
+from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import Generator
@@ -64,7 +64,7 @@ class Worker:
         self.rc, self.store, self.manifest = settings, store, manifest
         self.sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
         worker_id = settings.worker_id or events.default_writer("rollout")
-        self.ev = EventLog(store, "rollout", writer=f"{worker_id}-events")
+        self.ev = QueuedEvents(store, "rollout", writer=f"{worker_id}-events")  # appended off the event loop
         self.adapters = AdapterSync(store, manifest, client, self.ev)
         self.generator = Generator(client, manifest.base_model, self.sampling, settings.max_completion_length)
         self.output = ShardOutput(store, worker_id, settings.groups_per_shard, self.ev)
@@ -145,6 +145,7 @@ class Worker:
                 await self._collect_finished()
             await self._final_evaluation()
         finally:
+            await self.adapters.stop()
             self._stop()
 
     def finished(self) -> bool:
@@ -221,7 +222,7 @@ class Worker:
     async def _pause(self) -> None:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not
         # full, or a shard size above the pause threshold would never be written at all.
-        self._flush(force=True)
+        await asyncio.to_thread(self._flush, True)  # bucket writes: off the loop that drives generation
         await asyncio.sleep(self.rc.poll_s)
 
     async def _collect_finished(self) -> None:
@@ -239,7 +240,7 @@ class Worker:
                 self.sampler.written_out(ticket)  # not retried: the data cursor moves past it
                 continue
             self._accept(group, ticket)
-        self._flush()
+        await asyncio.to_thread(self._flush)  # bucket writes: off the loop that drives generation
         if self.failures > MAX_FAILURES_IN_A_ROW:
             raise RuntimeError(f"more than {MAX_FAILURES_IN_A_ROW} groups in a row failed; last error: {last_error}")
         if last_error is not None:
@@ -287,6 +288,7 @@ class Worker:
         self.scorer.close()
         if self.evaluator is not None:
             self.evaluator.close()
+        self.ev.close()  # the events still queued reach the bucket before the process exits
         log.info(
             "stopped: %d groups in %d shards; %d reward function calls failed",
             self.done_groups,

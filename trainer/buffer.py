@@ -51,7 +51,10 @@ class RolloutBuffer:
         return added
 
     def is_stale(self, group: ScoredGroup, current_version: int) -> bool:
-        return current_version - group.adapter_version > self.max_staleness
+        # A version newer than the trainer's cannot be in its lineage (bucket/checkpoints.py makes it
+        # impossible after a crash); should one appear anyway it is dropped, never trained.
+        lag = current_version - group.adapter_version
+        return lag > self.max_staleness or lag < 0
 
     def take(self, n: int, current_version: int) -> list[tuple[GroupId, ScoredGroup]]:
         """Up to n groups, oldest first; groups that went stale while waiting are dropped (and recorded)."""

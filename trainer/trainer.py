@@ -171,21 +171,18 @@ class Trainer:
 
     # -- publish --------------------------------------------------------------------
     def publish(self) -> None:
-        """A new adapter version, then the checkpoint of everything consumed since the previous one."""
+        """A new adapter version with its checkpoint: claim the name, checkpoint, commit, then point at both.
+
+        The checkpoint is written before the commit (bucket/checkpoints.py says why): a trainer that dies
+        in between resumes from the committed version, so rollouts never come from a version it lost.
+        """
         parent = self.version or None
-        # Never reuse a name, even one a crashed trainer left half-written.
-        version = adapters.next_version(self.store)
+        # Never reuse a name, even one a crashed trainer left half-written or another trainer just took.
+        version = adapters.claim_version(self.store, owner=self.events.writer)
         lora_name = self.manifest.lora_name(version)
-        marker = adapters.publish(
-            self.store,
-            version,
-            adapter_files(self.model),
-            meta={"step": self.step, "lora_name": lora_name, **canary_fields(self.model)},
-        )
-        self.version = version
-        self.groups_trained += len(self.trained)
-        self.groups_dropped_stale += len(self.buffer.dropped)
-        self.groups_skipped += len(self.skipped)
+        groups_trained = self.groups_trained + len(self.trained)
+        groups_dropped_stale = self.groups_dropped_stale + len(self.buffer.dropped)
+        groups_skipped = self.groups_skipped + len(self.skipped)
         state = checkpoints.TrainerState(
             version=version,
             step=self.step,
@@ -195,12 +192,25 @@ class Trainer:
             skipped_zero_variance=[str(g) for g in self.skipped],
             invalid=self.buffer.invalid,
             pending=[str(g) for g in self.buffer.pending()],
-            groups_trained=self.groups_trained,
-            groups_dropped_stale=self.groups_dropped_stale,
-            groups_skipped_zero_variance=self.groups_skipped,
+            groups_trained=groups_trained,
+            groups_dropped_stale=groups_dropped_stale,
+            groups_skipped_zero_variance=groups_skipped,
             parent=parent,
         )
-        checkpoints.save(self.store, state, {OPTIMIZER_FILE: optimizer_bytes(self.optimizer)})
+        checkpoints.save(self.store, state, {OPTIMIZER_FILE: optimizer_bytes(self.optimizer)}, point=False)
+        marker = adapters.publish(
+            self.store,
+            version,
+            adapter_files(self.model),
+            meta={"step": self.step, "lora_name": lora_name, **canary_fields(self.model)},
+        )
+        checkpoints.point_latest(self.store, version)
+        self.version = version
+        self.groups_trained, self.groups_dropped_stale, self.groups_skipped = (
+            groups_trained,
+            groups_dropped_stale,
+            groups_skipped,
+        )
         self.events.emit(
             events.PUBLISHED, version=version, lora_name=lora_name, step=self.step, committed_at=marker["committed_at"]
         )
