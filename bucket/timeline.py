@@ -11,8 +11,10 @@ The stages of version v, in order, each read on the wall clock of the job that w
   first_rollout   rollout  the first scored group generated with v (adapter_first_rollout)
 
 and, per replica, when the proxy saw v loaded there (fan-out start + that replica's own `seconds`; a
-replica that joined later: its adapter_loaded event) and, given the shards, when the first group with
-a sample from that replica was generated (the group's `generated_at`, rollout worker's clock).
+replica that joined later: its adapter_loaded event) and when the first group with a sample from that
+replica was generated (the group's `generated_at`, rollout worker's clock): from the rollout worker's
+adapter_first_rollout event for (v, replica), or, for runs older than that event's `replica` field,
+from the shards.
 
 Clocks. An interval between two stages of one writer is measured on one clock. An interval across
 writers (committed -> detected: trainer -> rollout worker) also holds the skew between their clocks,
@@ -69,7 +71,7 @@ class ReplicaLoad:
     late_join: bool = False
     failed: str = ""  # why a load failed, when it did and no later load succeeded
     probe_failed: str = ""  # loaded, but its canary probe said it serves other weights
-    first_rollout_at: float | None = None  # rollout worker's clock, from the shards
+    first_rollout_at: float | None = None  # rollout worker's clock (its per-replica event, or the shards)
 
 
 @dataclass
@@ -201,6 +203,8 @@ class Timeline:
                 self._shard_writer[body["key"]] = rec.writer
             elif kind in VERSION_KINDS and isinstance(body.get("version"), int):
                 self._by_version[body["version"]].append(rec)
+                if kind == events.FIRST_ROLLOUT and body.get("replica"):
+                    self._first_rollout_on(body["version"], str(body["replica"]), body.get("generated_at", body["ts"]))
             # any other kind, known or not yet known, has no part in a version's stages
 
     def ingest_shards(self, shards: Iterable[ShardRead]) -> None:
@@ -210,9 +214,12 @@ class Timeline:
                 continue
             self._shard_created[read.record.key] = read.shard.created_at
             for group in read.shard.groups:
-                first = self._first_by_replica[group.adapter_version]
                 for replica in {s.replica for s in group.samples if s.replica}:
-                    first[replica] = min(group.generated_at, first.get(replica, math.inf))
+                    self._first_rollout_on(group.adapter_version, replica, group.generated_at)
+
+    def _first_rollout_on(self, version: int, replica: str, generated_at: float) -> None:
+        first = self._first_by_replica[version]
+        first[replica] = min(float(generated_at), first.get(replica, math.inf))
 
     def ingest_checkpoint(self, state: TrainerState) -> None:
         """Shards this checkpoint consumed were created before it: bounds the rollout clocks from below."""

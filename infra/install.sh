@@ -19,4 +19,10 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
         >/dev/null || echo "warning: apt-get could not install chromium: the dashboard test skips (fails if CI=true)" >&2
 fi
+# promtool checks and unit-tests infra/monitoring's rules in tests/test_monitoring.py (skipped without it, except
+# under CI=true): Debian's prometheus package ships it. Same rules as chromium: as root, only when missing.
+if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+        >/dev/null || echo "warning: apt-get could not install prometheus: the promtool tests skip (fail if CI=true)" >&2
+fi
 echo "installed into $(pwd)/.venv"

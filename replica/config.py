@@ -49,3 +49,11 @@ class ReplicaConfig(BaseModel):
         "empty = a new temp folder (its path is printed).",
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments passed to vLLM's api_server.")
+    metrics: bool = Field(True, description="Serve the sidecar's Prometheus /metrics (brigade_replica_...).")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the sidecar's /metrics; 0 = vLLM's port + 1000 (8200 -> 9200: replicas of one machine "
+        "differ in port, so do their metrics). Listens on the replica's host.",
+    )

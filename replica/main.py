@@ -33,6 +33,7 @@ from bucket.replicas import ReplicaInfo
 from bucket.settings import BucketConfig, open_bucket
 from bucket.store import Store
 from replica.config import ReplicaConfig
+from replica.metrics import ReplicaMetrics
 from replica.mirror import AdapterMirror
 from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, plan_server
 
@@ -52,6 +53,10 @@ def advertise_url(rc: ReplicaConfig) -> str:
         return rc.advertise_url.rstrip("/")
     host = socket.gethostname() if rc.host in ("0.0.0.0", "::") else rc.host
     return f"http://{host}:{rc.port}"
+
+
+def metrics_port(rc: ReplicaConfig) -> int:
+    return rc.metrics_port or rc.port + 1000
 
 
 def check_model_dir(path: str) -> None:
@@ -92,6 +97,7 @@ class Replica:
         self.mirror: AdapterMirror | None = None
         self._own_cache_dir: str | None = None
         self._threads: list[threading.Thread] = []
+        self.metrics = ReplicaMetrics(self.rid)
 
     # -- setup --------------------------------------------------------------
     def _adapter_root(self, store: Store, manifest: RunManifest, event_log: EventLog) -> str:
@@ -105,12 +111,16 @@ class Replica:
             store,
             cache_dir,
             window=manifest.max_staleness + 1,
-            on_mirrored=lambda v, committed_at: event_log.emit(
-                events.ADAPTER_MIRRORED, version=v, committed_at=committed_at, path=self.mirror.path(v)
-            ),
+            on_mirrored=lambda v, committed_at: self._mirrored(event_log, v, committed_at),
         )
         self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
         return self.mirror.cache_dir
+
+    def _mirrored(self, event_log: EventLog, version: int, committed_at: float) -> None:
+        self.metrics.adapter_mirrored(version)
+        event_log.emit(
+            events.ADAPTER_MIRRORED, version=version, committed_at=committed_at, path=self.mirror.path(version)
+        )
 
     def _log_path(self) -> str:
         log_dir = self.rc.log_dir or tempfile.mkdtemp(prefix="brigade-replica-")
@@ -129,15 +139,20 @@ class Replica:
         while not self.stop.wait(self.rc.heartbeat_s):
             if not self.server.alive():
                 return
-            if not self.server.healthy(timeout_s=max(5.0, 2 * self.rc.heartbeat_s)):
+            healthy = self.server.healthy(timeout_s=max(5.0, 2 * self.rc.heartbeat_s))
+            self.metrics.healthy.set(int(healthy))
+            if not healthy:
                 log.warning("vLLM /health failed; skipping this heartbeat")
+                self.metrics.heartbeat_failures.labels("vllm_unhealthy").inc()
                 continue
             if self.stop.is_set():
                 return  # shutting down: do not re-register
             try:
                 replicas.heartbeat(store, info)
+                self.metrics.heartbeat()
             except Exception as exc:  # a bucket hiccup must not kill a serving replica
                 log.warning("heartbeat failed: %s", exc)
+                self.metrics.heartbeat_failures.labels("bucket").inc()
 
     def _mirror_loop(self) -> None:
         while not self.stop.wait(MIRROR_POLL_S):
@@ -146,6 +161,7 @@ class Replica:
                     log.info("mirrored adapter v%d into %s", v, self.mirror.path(v))
             except Exception as exc:
                 log.warning("adapter mirror: %s", exc)
+                self.metrics.mirror_failures.inc()
 
     def _start_thread(self, target, *args) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name=f"replica-{target.__name__}")
@@ -162,6 +178,9 @@ class Replica:
         check_port_free(self.rc.host, self.rc.port)
         event_log = EventLog(store, "replica", replica=self.rid)
         self._install_signal_handlers()
+        if self.rc.metrics:  # up before vLLM: a scrape during the minute-long start shows it unregistered
+            advertise_host = advertise_url(self.rc).split("://", 1)[1].rsplit(":", 1)[0]
+            self.metrics.serve(self.rc.host, metrics_port(self.rc), advertise_host)
         try:
             adapter_root = self._adapter_root(store, manifest, event_log)
             self.server = VllmServer(plan, self._log_path())
@@ -186,8 +205,13 @@ class Replica:
             )
             replicas.register(store, info)
             self.registered = True
+            self.metrics.started(info.url, startup_s)
             event_log.emit(
-                events.REPLICA_STARTED, url=info.url, startup_s=round(startup_s, 1), adapter_root=adapter_root
+                events.REPLICA_STARTED,
+                url=info.url,
+                startup_s=round(startup_s, 1),
+                adapter_root=adapter_root,
+                metrics_url=self.metrics.url,
             )
             print(
                 f"brigade replica {self.rid}: healthy after {startup_s:.0f}s, registered as {info.url} "
@@ -218,10 +242,12 @@ class Replica:
         if self.registered:
             try:
                 replicas.deregister(store, self.rid)
+                self.metrics.registered.set(0)
             except Exception as exc:
                 log.warning("could not deregister %s: %s", self.rid, exc)
         if self.server is not None:
             self.server.stop()
+        self.metrics.close()
         if self._own_cache_dir:
             shutil.rmtree(self._own_cache_dir, ignore_errors=True)
 

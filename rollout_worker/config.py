@@ -71,3 +71,8 @@ class RolloutConfig(BaseModel):
     poll_s: float = Field(0.5, gt=0, description="How often to look for a new adapter version.")
     max_groups: int = Field(0, ge=0, description="Stop after this many groups (0 = until the trainer says it is done).")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one generation request.")
+    metrics: bool = Field(True, description="Serve Prometheus /metrics (brigade_rollout_...; docs/dashboard.md).")
+    metrics_host: str = Field("127.0.0.1", description="Address /metrics listens on (0.0.0.0: every interface).")
+    metrics_port: int = Field(
+        9320, ge=1, le=65535, description="Port of /metrics (the proxy is 8100, replicas 8200+, trainer 9310)."
+    )

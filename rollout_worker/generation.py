@@ -14,6 +14,7 @@ body, an adapter that is not loaded) fails the group at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Any
 
@@ -40,6 +41,7 @@ class Generator:
         self.client, self.base_model, self.sampling = client, base_model, sampling
         self.max_completion_length = max_completion_length
         self.token_cache: dict[str, list[int]] = {}  # the dataset is cycled: each prompt is tokenised once
+        self.retries: collections.Counter[str] = collections.Counter()  # requests sent again, by reason (metrics)
 
     async def prompt_ids(self, row: dict[str, Any]) -> tuple[str, list[int]]:
         """(prompt text, prompt token ids); a chat prompt gets the chat template and its assistant turn."""
@@ -86,15 +88,16 @@ class Generator:
             try:
                 resp = await self.client.post(path, json=body)
             except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+                problem, reason = f"{type(exc).__name__}: {exc}", "no_answer"
             else:
                 if resp.status_code == 200:
                     return resp
-                problem = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                problem, reason = f"HTTP {resp.status_code}: {resp.text[:300]}", f"http_{resp.status_code}"
                 if resp.status_code not in RETRY_STATUSES:
                     raise GenerationFailed(f"{path} failed ({problem})")
             if attempt == MAX_ATTEMPTS:
                 break
+            self.retries[reason] += 1
             log.warning(
                 "%s failed (%s); retrying in %.1fs (attempt %d of %d)", path, problem, delay, attempt, MAX_ATTEMPTS
             )

@@ -39,6 +39,7 @@ from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import Generator
+from rollout_worker.metrics import RolloutMetrics
 from rollout_worker.prompts import load_data
 from rollout_worker.rewards import Scorer
 from rollout_worker.sampler import PromptSampler, Ticket
@@ -97,11 +98,26 @@ class Worker:
         self.eval_task: asyncio.Task[None] | None = None
         self.evaluated: set[int] = set()
         self.tasks: dict[asyncio.Task[ScoredGroup], Ticket] = {}
+        self.unconsumed = 0  # groups written or in flight that the trainer has not read (metrics)
         self.unwritten: list[tuple[ScoredGroup, Ticket]] = []  # scored, not yet in a shard
         self.next_poll = 0.0
         self.done_groups = 0
         self.failures = 0  # groups failed in a row
-        self.first_rollout_seen: set[int] = set()
+        self.first_rollout_seen: set[tuple[int, str]] = set()  # (version, replica)
+        self.waiting_for_trainer = False  # no group may start: the trainer has not read enough
+        self.metrics = RolloutMetrics()
+        self.metrics.live.source = self._live_metrics
+
+    def _live_metrics(self) -> dict[str, Any]:
+        """Read by the metrics thread at scrape time: plain values the loop keeps anyway."""
+        return {
+            "version": self.adapters.version,
+            "inflight": len(self.tasks),
+            "unconsumed": self.unconsumed,
+            "waiting": int(self.waiting_for_trainer),
+            "retries": dict(self.generator.retries),
+            "shards": self.output.shards_written,
+        }
 
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
         """All `num_generations` completions of one prompt, with one adapter version, scored."""
@@ -165,9 +181,11 @@ class Worker:
         budget = self.rc.max_inflight_groups
         if self.rc.max_groups:
             budget = min(budget, self.rc.max_groups - self.done_groups)
+        self.unconsumed = self.output.unconsumed() + len(self.tasks)
         if self.rc.max_unconsumed_groups:
             # Groups in flight count too: each will be one more group the trainer has not read.
             budget = min(budget, max(0, self.rc.max_unconsumed_groups - self.output.unconsumed()))
+            self.waiting_for_trainer = budget <= len(self.tasks) and self.unconsumed >= self.rc.max_unconsumed_groups
         while len(self.tasks) < budget:
             nxt = self.sampler.next()
             if nxt is None:  # every epoch handed out
@@ -223,7 +241,10 @@ class Worker:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not
         # full, or a shard size above the pause threshold would never be written at all.
         await asyncio.to_thread(self._flush, True)  # bucket writes: off the loop that drives generation
+        t0 = time.monotonic()
         await asyncio.sleep(self.rc.poll_s)
+        if self.waiting_for_trainer:
+            self.metrics.trainer_wait_seconds.inc(time.monotonic() - t0)
 
     async def _collect_finished(self) -> None:
         """Wait up to `poll_s` for groups to finish, keep the scored ones, write full shards."""
@@ -235,6 +256,7 @@ class Worker:
                 group = task.result()
             except Exception as exc:  # one broken group must not lose the scored ones finished with it
                 self.failures += 1
+                self.metrics.groups_failed.inc()
                 last_error = exc
                 log.warning("group failed (%s: %s); going on with other prompts", type(exc).__name__, exc)
                 self.sampler.written_out(ticket)  # not retried: the data cursor moves past it
@@ -250,9 +272,18 @@ class Worker:
     def _accept(self, group: ScoredGroup, ticket: Ticket) -> None:
         self.failures = 0
         self.done_groups += 1
-        if group.adapter_version not in self.first_rollout_seen:
-            self.first_rollout_seen.add(group.adapter_version)
-            self.ev.emit(events.FIRST_ROLLOUT, version=group.adapter_version)
+        # One event per (version, replica): when each replica first served a version (the version's first
+        # rollout is the earliest of them). A group spilled over two replicas counts for both.
+        for replica in sorted({s.replica for s in group.samples}):
+            if (group.adapter_version, replica) not in self.first_rollout_seen:
+                self.first_rollout_seen.add((group.adapter_version, replica))
+                self.ev.emit(
+                    events.FIRST_ROLLOUT,
+                    version=group.adapter_version,
+                    replica=replica,
+                    generated_at=group.generated_at,
+                )
+        self.metrics.group([s.reward for s in group.samples], sum(len(s.completion_ids) for s in group.samples))
         self.output.add(group)
         self.unwritten.append((group, ticket))
         mean = sum(s.reward for s in group.samples) / len(group.samples)
@@ -322,7 +353,13 @@ async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig
         base_url=settings.proxy_url, timeout=settings.request_timeout_s, limits=limits
     ) as client:
         await wait_for_proxy(client, settings.proxy_url, bucket.manifest_wait_s)
-        await Worker(settings, store, manifest, client).run()
+        worker = Worker(settings, store, manifest, client)
+        if settings.metrics:
+            worker.metrics.serve(settings.metrics_host, settings.metrics_port)
+        try:
+            await worker.run()
+        finally:
+            worker.metrics.close()
     return 0
 
 

@@ -183,7 +183,14 @@ def vllm_replicas(tmp_path_factory, model_dir):
         for i in range(2):
             procs.append(
                 start_replica(
-                    store.url, model_dir, free_port(), f"test-replica-{i}", str(i % ncores), str(root / "logs")
+                    store.url,
+                    model_dir,
+                    free_port(),
+                    f"test-replica-{i}",
+                    str(i % ncores),
+                    str(root / "logs"),
+                    "--replica.metrics-port",
+                    str(free_port()),
                 )
             )
         deadline = time.monotonic() + 420

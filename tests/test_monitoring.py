@@ -1,11 +1,16 @@
 """infra/monitoring: every Prometheus query of the alert rules and the Grafana dashboard names a metric that a
-brigade job really exports, read from the /metrics of a real proxy (the only job that serves one today)."""
+brigade job really exports, and the rule file passes Prometheus' own checker and unit tests (promtool).
+
+The proxy's names are read here from a real proxy's /metrics; the trainer's, the rollout worker's and the
+replica sidecar's are checked by their own tests, which scrape each job during a real run
+(tests/test_trainer.py, tests/test_rollout_worker.py, tests/test_replica.py) against tests/promql.py.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,22 +18,13 @@ import httpx
 import pytest
 import yaml
 from conftest import REPO_ROOT, free_port, stop, wait_http
-from prometheus_client.parser import text_string_to_metric_families
+from promql import MONITORING, exposed_names, queries
 
 from bucket import Store
 from bucket.manifest import RunSpec, init_or_check
 
-MONITORING = os.path.join(REPO_ROOT, "infra", "monitoring")
-# The series each metric type exposes, after its family name.
-SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "gauge": ("",),
-    "histogram": ("_bucket", "_count", "_sum", "_created"),
-    "summary": ("", "_count", "_sum", "_created"),
-    "info": ("_info",),
-    "unknown": ("",),
-}
 PROMETHEUS_OWN = {"up"}  # written by Prometheus itself for every scrape target
+JOBS = ("proxy", "trainer", "rollout", "replica")
 
 
 @pytest.fixture(scope="module")
@@ -48,42 +44,64 @@ def exported(tmp_path_factory) -> set[str]:
     finally:
         stop(proc)
         log.close()
-    names = set()
-    for family in text_string_to_metric_families(text):
-        names |= {family.name + s for s in SUFFIXES.get(family.type, ("",))}
-        names |= {sample.name for sample in family.samples}
+    names = set(exposed_names(text))
     assert any(n.startswith("brigade_proxy_") for n in names), text[:2000]
     return names
 
 
-def _queries() -> list[tuple[str, str]]:
-    """(where, PromQL) for every alert rule and every Grafana target."""
-    with open(os.path.join(MONITORING, "alerts.yml")) as f:
-        rules = yaml.safe_load(f)
-    out = [(f"alert {r['alert']}", r["expr"]) for g in rules["groups"] for r in g["rules"]]
-    with open(os.path.join(MONITORING, "grafana-dashboard.json")) as f:
-        dashboard = json.load(f)
-    panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])]]
-    out += [(f"panel {p['title']!r}", t["expr"]) for p in panels for t in p.get("targets", [])]
-    return out
-
-
 def test_every_query_names_an_exported_metric(exported):
-    queries = _queries()
-    assert len(queries) >= 15
-    for where, expr in queries:
+    found = queries()
+    assert len(found) >= 25
+    for where, expr in found:
         names = set(re.findall(r"\bbrigade_[A-Za-z0-9_]+", expr))
         others = {n for n in PROMETHEUS_OWN if re.search(rf"\b{n}\{{", expr)}
         assert names or others, f"{where}: {expr} names no metric"
-        unknown = names - exported
+        # every name belongs to a job that serves /metrics, named brigade_<job>_...
+        assert all(n.split("_")[1] in JOBS for n in names), f"{where}: {sorted(names)}"
+        unknown = {n for n in names if n.startswith("brigade_proxy_")} - exported
         assert not unknown, f"{where}: {sorted(unknown)} not exported; the proxy exports {sorted(exported)}"
 
 
-def test_scrape_config_loads_the_rules_and_scrapes_the_proxy():
+def test_scrape_config_loads_the_rules_and_scrapes_every_job():
     with open(os.path.join(MONITORING, "prometheus.yml")) as f:
         config = yaml.safe_load(f)
     assert all(os.path.isfile(os.path.join(MONITORING, r)) for r in config["rule_files"])
     jobs = {c["job_name"]: c for c in config["scrape_configs"]}
-    assert jobs["brigade-proxy"]["metrics_path"] == "/metrics"
+    assert set(jobs) == {f"brigade-{job}" for job in JOBS}
+    assert all(c["metrics_path"] == "/metrics" for c in jobs.values())
     # the alert on a silent proxy names the scrape job that exists
-    assert any('job="brigade-proxy"' in expr for _, expr in _queries())
+    assert any('job="brigade-proxy"' in expr for _, expr in queries())
+    # the defaults of the jobs' own tables, as `brigade local` runs them on one machine
+    from replica.config import ReplicaConfig
+    from rollout_worker.config import RolloutConfig
+    from trainer.config import TrainerConfig
+
+    targets = {name: c["static_configs"][0]["targets"] for name, c in jobs.items()}
+    assert targets["brigade-trainer"] == [f"127.0.0.1:{TrainerConfig().metrics_port}"]
+    assert targets["brigade-rollout"] == [f"127.0.0.1:{RolloutConfig().metrics_port}"]
+    assert targets["brigade-replica"][0] == f"127.0.0.1:{ReplicaConfig().port + 1000}"
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("promtool is not installed and CI=true never skips: run `bash infra/install.sh` as root")
+        pytest.skip("promtool is not installed (Debian's prometheus package; `bash infra/install.sh` as root)")
+    return path
+
+
+def test_promtool_checks_the_config_and_the_rules():
+    out = subprocess.run(
+        [promtool(), "check", "config", "prometheus.yml"], cwd=MONITORING, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"SUCCESS: \d+ rules found", out.stdout + out.stderr), out.stdout + out.stderr
+
+
+def test_alerts_fire_on_a_starved_trainer_and_a_drifting_ratio():
+    """promtool's rule unit tests (tests/alerts_test.yml): series in, alerts out, on Prometheus' own engine."""
+    tests = os.path.join(REPO_ROOT, "tests", "alerts_test.yml")
+    out = subprocess.run([promtool(), "test", "rules", tests], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr

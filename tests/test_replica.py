@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 from conftest import REPO_ROOT, free_port, make_adapter_files, new_s3_bucket, start_replica
+from promql import missing, scrape
 
-from bucket import adapters, layout, replicas
+from bucket import adapters, events, layout, replicas
 from bucket.manifest import RunSpec, init_or_check
 from bucket.store import Store
 from replica import mirror as mirror_mod
@@ -238,6 +239,27 @@ def test_replicas_register_and_heartbeat(vllm_replicas):
     time.sleep(3.5)  # heartbeat_s is 1 in the fixture
     later = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
     assert all(later[rid] > first[rid] for rid in first), (first, later)
+
+
+def test_sidecars_serve_metrics_of_registration_and_heartbeat(vllm_replicas):
+    """Each sidecar's /metrics (its URL in its replica_started event): registered, healthy, heartbeating."""
+    store, infos, _ = vllm_replicas
+    started = {
+        e["replica"]: e for e in events.read_all(store) if e["kind"] == events.REPLICA_STARTED and e.get("metrics_url")
+    }
+    for r in infos:
+        event = started[r.replica_id]
+        assert event["host"] == socket.gethostname()  # every event names the machine that wrote it
+        before = scrape(event["metrics_url"])
+        assert not missing("brigade_replica_", before), missing("brigade_replica_", before)
+        assert before["brigade_replica_registered"] == 1 and before["brigade_replica_vllm_healthy"] == 1
+        assert before["brigade_replica_info"] == 1 and before["brigade_replica_vllm_startup_seconds"] > 0
+        time.sleep(2.5)  # heartbeat_s is 1 in the fixture
+        after = scrape(event["metrics_url"])
+        assert after["brigade_replica_heartbeats_total"] > before["brigade_replica_heartbeats_total"] >= 1
+        assert time.time() - after["brigade_replica_last_heartbeat_timestamp_seconds"] < 10
+        text = httpx.get(event["metrics_url"], timeout=10).text
+        assert f'brigade_replica_info{{replica="{r.replica_id}",url="{r.url}"}} 1.0' in text
 
 
 def _tokenize(url: str, model: str, text: str) -> list[int]:

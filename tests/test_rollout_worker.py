@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from conftest import REPO_ROOT, free_port, make_adapter_files, stop, wait_http
+from promql import missing, scrape
 
-from bucket import adapters
+from bucket import adapters, events
 from bucket.datacursor import read_data_cursor
 from bucket.rollouts import RolloutShard, read_shards
 from rollout_worker.prompts import load_data
@@ -53,6 +55,43 @@ def worker_argv(store_url: str, port: int, *flags: str) -> list[str]:
     ]
 
 
+def _check_metrics(m: dict[str, float], store, num_generations: int) -> None:
+    """The worker's /metrics while it runs: every name monitoring queries, counts that match its shards."""
+    assert not missing("brigade_rollout_", m), missing("brigade_rollout_", m)
+    written = sum(len(s.groups) for s in worker_shards(store))
+    assert m["brigade_rollout_groups_scored_total"] >= written >= 3
+    assert m["brigade_rollout_shards_written_total"] >= len(worker_shards(store))
+    assert m["brigade_rollout_sample_reward_count"] == num_generations * m["brigade_rollout_groups_scored_total"]
+    assert 0 <= m["brigade_rollout_sample_reward_sum"] <= m["brigade_rollout_sample_reward_count"]
+    assert m["brigade_rollout_generated_tokens_total"] >= m["brigade_rollout_sample_reward_count"]  # >= 1 per sample
+    assert 0 <= m["brigade_rollout_inflight_groups"] <= 2  # max_inflight_groups
+    assert m["brigade_rollout_waiting_for_trainer"] == 0  # max_unconsumed_groups 0: never held back
+    assert m["brigade_rollout_adapter_version"] == max(
+        g.adapter_version for s in worker_shards(store) for g in s.groups
+    )
+
+
+def _check_first_rollouts(store) -> None:
+    """One adapter_first_rollout per (version, replica) the worker generated with, naming the replica."""
+    firsts = [
+        e
+        for e in events.read_all(store)
+        if e["kind"] == events.FIRST_ROLLOUT and e["job"] == "rollout" and e["host"] == socket.gethostname()
+    ]
+    pairs = [(e["version"], e["replica"]) for e in firsts]
+    first_at: dict[tuple[int, str], float] = {}
+    for shard in worker_shards(store):
+        for g in shard.groups:
+            for s in g.samples:
+                first_at[(g.adapter_version, s.replica)] = min(
+                    g.generated_at, first_at.get((g.adapter_version, s.replica), g.generated_at)
+                )
+    assert len(pairs) == len(set(pairs)) and set(first_at) <= set(pairs), (pairs, first_at)
+    assert all(r.startswith("test-replica-") for _, r in pairs), pairs
+    for e in firsts:  # the event is the first group of its (version, replica): no earlier one in the shards
+        assert e["generated_at"] <= first_at.get((e["version"], e["replica"]), e["generated_at"])
+
+
 def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_data(vllm_replicas, model_dir, tmp_path):
     store, _, manifest = vllm_replicas
     # A committed version for the worker to load, through a proxy whose admin endpoints need a token.
@@ -70,11 +109,14 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
     )
     worker_log = tmp_path / "rollout.log"
     worker = None
+    metrics_port = free_port()
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 60, proxy)
         with open(worker_log, "wb") as out:
             worker = subprocess.Popen(
-                worker_argv(store.url, port, "--rollout.groups-per-shard", "3"),
+                worker_argv(
+                    store.url, port, "--rollout.groups-per-shard", "3", "--rollout.metrics-port", f"{metrics_port}"
+                ),
                 env=env,
                 cwd=REPO_ROOT,
                 stdout=out,
@@ -86,8 +128,10 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
             assert time.monotonic() < deadline, "no shard within 240 s"
             time.sleep(0.5)
         time.sleep(2)  # let more groups finish, so some are scored but not yet in a full shard
+        _check_metrics(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), store, manifest.num_generations)
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0, worker_log.read_text()[-3000:]
+        _check_first_rollouts(store)
         # The data cursor says how far the worker got; restarted under the same id, it goes on from there.
         cursor = read_data_cursor(store, "w-sigterm")
         assert cursor is not None

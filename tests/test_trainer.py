@@ -8,9 +8,12 @@ trainer's first importance ratio must come out at 1.
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 import torch
+from conftest import free_port
+from promql import Scraper, missing
 
 from bucket import adapters, checkpoints, events, layout
 from bucket.manifest import RunSpec, init_or_check
@@ -18,6 +21,7 @@ from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
 from bucket.store import Store
 from infra.config import ConfigError, load
 from trainer.main import run as run_trainer
+from trainer.metrics import prometheus_name
 
 G = 4
 
@@ -86,11 +90,14 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     for _ in range(3):
         writer.write([_group(base_model, rng, 0), _group(base_model, rng, 0)])
 
-    assert run_trainer(*_config(bucket, model_dir, max_steps=2)) == 0
+    port = free_port()
+    with Scraper(f"http://127.0.0.1:{port}/metrics") as scraper:  # /metrics while the trainer runs
+        assert run_trainer(*_config(bucket, model_dir, max_steps=2, metrics_port=port)) == 0
     # v1 = untrained adapter, then one version per step
     assert adapters.committed_versions(store) == [1, 2, 3]
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
     assert abs(steps[0]["ratio"] - 1.0) < 1e-3, steps[0]
+    _check_metrics_and_events(scraper.scrapes, store, steps)
     first_state = checkpoints.load_latest(store)
     # the trainer reads only what its next step needs: shard 2 is still unread
     assert first_state.step == 2 and first_state.cursors == {"w0": 1} and first_state.pending == []
@@ -126,6 +133,24 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     shard = f"{layout.ROLLOUTS}/w0/000000/{{:012d}}.json#{{}}".format
     assert set(dropped) == {shard(2, 0), shard(2, 1), shard(3, 0)}
     assert pending == [shard(4, 1)]
+
+
+def _check_metrics_and_events(scrapes: list[dict[str, float]], store: Store, steps: list[dict]) -> None:
+    """What /metrics showed during the run agrees with the run's events; every event names its host."""
+    after_step = [m for m in scrapes if m.get("brigade_trainer_steps_total", 0) >= 1]
+    assert after_step, f"no scrape after a step in {len(scrapes)} scrapes"
+    last = after_step[-1]
+    assert not missing("brigade_trainer_", last), missing("brigade_trainer_", last)  # every name monitoring queries
+    step = steps[int(last["brigade_trainer_steps_total"]) - 1]
+    for trl in ("ratio", "reward", "clip_ratio/low_mean", "sample/staleness_mean", "perf/tok_s"):
+        assert last[prometheus_name(trl)] == pytest.approx(step[trl]), trl
+    assert last["brigade_trainer_adapter_version"] >= 1 and last["brigade_trainer_step_seconds_count"] >= 1
+    assert last["brigade_trainer_trained_tokens_total"] > 0
+    assert any(m["brigade_trainer_rollout_wait_seconds_total"] > 0 for m in scrapes)
+    published = [e for e in events.read_all(store) if e["kind"] == events.PUBLISHED]
+    assert [e["version"] for e in published] == [1, 2, 3]
+    assert all(e["serialize_s"] > 0 and e["upload_s"] > 0 for e in published), published
+    assert {e["host"] for e in events.read_all(store)} == {socket.gethostname()}
 
 
 def test_missing_model_folder_is_a_clear_error(tmp_path):

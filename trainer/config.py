@@ -83,6 +83,11 @@ class TrainerConfig(BaseModel):
         600.0, gt=0, description="Give up (with an error) if no new rollouts arrive for this long."
     )
     poll_s: float = Field(0.5, gt=0, description="How often to look for new rollout shards.")
+    metrics: bool = Field(True, description="Serve Prometheus /metrics (brigade_trainer_...; docs/dashboard.md).")
+    metrics_host: str = Field("127.0.0.1", description="Address /metrics listens on (0.0.0.0: every interface).")
+    metrics_port: int = Field(
+        9310, ge=1, le=65535, description="Port of /metrics (the proxy is 8100, replicas 8200+, rollout worker 9320)."
+    )
 
     @model_validator(mode="after")
     def _clips(self) -> TrainerConfig:

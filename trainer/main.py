@@ -41,7 +41,17 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     torch.manual_seed(settings.seed)
 
     trainer = Trainer(settings, store, manifest, dp)
+    if dp.is_main and settings.metrics:  # one /metrics per run: the other ranks would take the same port
+        trainer.metrics.serve(settings.metrics_host, settings.metrics_port)
+    try:
+        return _train(trainer, settings, store, dp)
+    finally:
+        trainer.metrics.close()
+
+
+def _train(trainer: Trainer, settings: TrainerConfig, store: Store, dp: DataParallel) -> int:
     resumed = trainer.resume()  # every rank, from the same checkpoint ...
+    trainer.metrics.version.set(trainer.version)
     dp.barrier()  # ... before rank 0 writes anything
     if dp.is_main:
         if trainer.step < settings.max_steps:
@@ -73,19 +83,20 @@ def next_batch(trainer: Trainer, store: Store) -> list[tuple[GroupId, ScoredGrou
     """The next step's groups, once the bucket has them."""
     settings = trainer.settings
     last_data = time.monotonic()
-    while True:
-        if not trainer.fill():
-            if time.monotonic() - last_data > settings.rollout_wait_s:
-                raise RuntimeError(
-                    f"no new rollouts in {store.url}/rollouts for {settings.rollout_wait_s:.0f}s: is a rollout "
-                    "worker running against this bucket, and can it reach the proxy?"
-                )
-            time.sleep(settings.poll_s)
-            continue
-        last_data = time.monotonic()
-        batch = trainer.take_batch()
-        if batch is not None:
-            return batch
+    with trainer.metrics.waiting_for_rollouts():
+        while True:
+            if not trainer.fill():
+                if time.monotonic() - last_data > settings.rollout_wait_s:
+                    raise RuntimeError(
+                        f"no new rollouts in {store.url}/rollouts for {settings.rollout_wait_s:.0f}s: is a rollout "
+                        "worker running against this bucket, and can it reach the proxy?"
+                    )
+                time.sleep(settings.poll_s)
+                continue
+            last_data = time.monotonic()
+            batch = trainer.take_batch()
+            if batch is not None:
+                return batch
 
 
 def encode_batch(batch: list[tuple[GroupId, ScoredGroup]]) -> str:

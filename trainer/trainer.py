@@ -24,6 +24,7 @@ from trainer.canary import canary_fields
 from trainer.config import TrainerConfig
 from trainer.distributed import DataParallel
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics
+from trainer.metrics import TrainerMetrics
 from trainer.model import (
     OPTIMIZER_FILE,
     adapter_files,
@@ -43,6 +44,7 @@ class Trainer:
         self.settings, self.store, self.manifest = settings, store, manifest
         self.dp = dp or DataParallel(cpu=settings.device == "cpu")
         self.events = EventLog(store, "trainer")
+        self.metrics = TrainerMetrics()
         device = str(self.dp.device) if self.dp.world > 1 else settings.device  # one GPU per rank
         self.model = build_model(settings.model_path, settings.dtype, manifest, device)
         self.device = next(self.model.parameters()).device
@@ -156,6 +158,7 @@ class Trainer:
         if not self.dp.is_main:
             return m
         self.events.emit(events.TRAIN_STEP, **m)
+        self.metrics.step(m)
         log.info(
             "step %d  reward %.3f  ratio %.4f  clip %.3f  loss %+.4f  staleness %.2f  skipped %d  %.2fs",
             self.step,
@@ -198,12 +201,13 @@ class Trainer:
             parent=parent,
         )
         checkpoints.save(self.store, state, {OPTIMIZER_FILE: optimizer_bytes(self.optimizer)}, point=False)
-        marker = adapters.publish(
-            self.store,
-            version,
-            adapter_files(self.model),
-            meta={"step": self.step, "lora_name": lora_name, **canary_fields(self.model)},
-        )
+        # Timed apart: serializing is the trainer's cost, uploading the bucket's; a slow publish names its part.
+        t0 = time.monotonic()
+        files = adapter_files(self.model)
+        meta = {"step": self.step, "lora_name": lora_name, **canary_fields(self.model)}
+        t1 = time.monotonic()
+        marker = adapters.publish(self.store, version, files, meta=meta)
+        serialize_s, upload_s = t1 - t0, time.monotonic() - t1
         checkpoints.point_latest(self.store, version)
         self.version = version
         self.groups_trained, self.groups_dropped_stale, self.groups_skipped = (
@@ -212,8 +216,15 @@ class Trainer:
             groups_skipped,
         )
         self.events.emit(
-            events.PUBLISHED, version=version, lora_name=lora_name, step=self.step, committed_at=marker["committed_at"]
+            events.PUBLISHED,
+            version=version,
+            lora_name=lora_name,
+            step=self.step,
+            committed_at=marker["committed_at"],
+            serialize_s=round(serialize_s, 4),
+            upload_s=round(upload_s, 4),
         )
+        self.metrics.published(version, serialize_s, upload_s)
         log.info("published adapter %s (%s) at step %d", layout.version_dir(version), lora_name, self.step)
         self.trained, self.skipped = [], []
         self.buffer.clear_records()

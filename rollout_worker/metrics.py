@@ -1,0 +1,106 @@
+"""The rollout worker's Prometheus metrics, served on `[rollout] metrics_host:metrics_port` at /metrics.
+
+Names follow every brigade job's convention (proxy/metrics.py): `brigade_rollout_<what>_<unit>`, counters
+ending in `_total`. Counters are bumped by the worker's loop; the state it is in (adapter version, groups
+in flight, held back by the trainer, request retries) is read from the worker when Prometheus scrapes, so
+the generation loop touches no Prometheus object for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Summary, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("brigade.rollout")
+
+
+class _Live:
+    """The worker's state at scrape time, from `source()` (a dict of plain numbers)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, Any]] | None = None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        if self.source is None:
+            return
+        v = self.source()
+        for name, doc, value in (
+            ("adapter_version", "Adapter version new groups generate with (0 = the base model).", v["version"]),
+            ("inflight_groups", "Prompt groups being generated now.", v["inflight"]),
+            ("unconsumed_groups", "Groups scored or in flight that the trainer has not read yet.", v["unconsumed"]),
+            (
+                "waiting_for_trainer",
+                "1 while no new group may start because the trainer has not read enough (max_unconsumed_groups).",
+                v["waiting"],
+            ),
+        ):
+            yield GaugeMetricFamily(f"brigade_rollout_{name}", doc, value=value)
+        yield CounterMetricFamily(
+            "brigade_rollout_shards_written", "Rollout shards written to the bucket.", value=v["shards"]
+        )
+        retries = CounterMetricFamily(
+            "brigade_rollout_request_retries",
+            "Requests to the proxy sent again after a 5xx or no answer, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in v["retries"].items():
+            retries.add_metric([reason], n)
+        yield retries
+
+
+class RolloutMetrics:
+    """What the rollout worker exports; a registry of its own (several workers can live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.live = _Live()
+        r.register(self.live)
+        self.groups = Counter("brigade_rollout_groups_scored", "Prompt groups generated and scored.", registry=r)
+        self.groups_failed = Counter(
+            "brigade_rollout_groups_failed", "Prompt groups given up (a request failed after its retries).", registry=r
+        )
+        self.generated_tokens = Counter(
+            "brigade_rollout_generated_tokens", "Completion tokens of the scored groups.", registry=r
+        )
+        self.reward = Summary(
+            "brigade_rollout_sample_reward",
+            "Reward of each completion (mean over a window: rate of _sum / rate of _count).",
+            registry=r,
+        )
+        self.trainer_wait_seconds = Counter(
+            "brigade_rollout_trainer_wait_seconds",
+            "Time paused with nothing in flight because the trainer has not read enough (backpressure).",
+            registry=r,
+        )
+        self._server: Any = None
+
+    def group(self, rewards: list[float], completion_tokens: int) -> None:
+        self.groups.inc()
+        self.generated_tokens.inc(completion_tokens)
+        for reward in rewards:
+            self.reward.observe(reward)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics from a thread; a port in use costs the metrics, never the rollouts."""
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            log.warning("metrics not served: cannot listen on %s:%d (%s); set --rollout.metrics-port", host, port, exc)
+            return
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
