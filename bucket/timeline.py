@@ -26,7 +26,8 @@ have happened before event b (clock B), e.g. a version is committed before anyon
 and pairs in the other direction (a load answered before the rollout that uses it; a shard created
 before the checkpoint that consumed it) bound it from below. The tightest bounds between any two
 clocks are shortest paths through these difference constraints. The estimate is the value inside the
-bounds closest to 0: clocks are assumed in sync (NTP) unless the events prove otherwise.
+bounds closest to 0: clocks are assumed in sync (NTP) unless the events prove otherwise. Writers whose
+events name the same `host` (every event carries it) read one clock: their skew is 0, not just bounded.
 
 No torch, no HTTP: any tool (dashboard, summary, tests) can read it.
 """
@@ -132,6 +133,7 @@ class ClockBounds:
     low: float | None  # None: unbounded
     high: float | None
     pairs: int  # causal pairs that bound this writer's clock directly
+    host: str = ""  # the machine it wrote from (events' `host`; empty for runs older than that field)
 
     @property
     def estimate(self) -> float:
@@ -175,6 +177,7 @@ class Timeline:
     def __init__(self) -> None:
         self.cursors: dict[str, int] = {}
         self.jobs: dict[str, str] = {}  # writer -> job
+        self.hosts: dict[str, str] = {}  # writer -> the machine its events name (`host`)
         self._by_version: dict[int, list[appendlog.Record]] = defaultdict(list)
         self._step_done: dict[int, tuple[str, float]] = {}
         self._shard_writer: dict[str, str] = {}  # shard key -> the events writer that wrote it
@@ -196,6 +199,8 @@ class Timeline:
             if not isinstance(body.get("ts"), int | float):
                 continue  # not an event this reader understands
             self.jobs.setdefault(rec.writer, str(body.get("job", "")))
+            if body.get("host"):
+                self.hosts.setdefault(rec.writer, str(body["host"]))
             kind = body.get("kind")
             if kind == events.TRAIN_STEP and isinstance(body.get("step"), int):
                 self._step_done[body["step"]] = (rec.writer, body["ts"])
@@ -357,6 +362,10 @@ class Timeline:
             dist[i][j] = min(dist[i][j], ts_b - ts_a)  # clock(b) - clock(a) <= ts_b - ts_a
             direct[a] += 1
             direct[b] += 1
+        for a in writers:  # writers on one machine read one clock: their skew is 0, not just bounded
+            for b in writers:
+                if a != b and self.hosts.get(a) and self.hosts.get(a) == self.hosts.get(b):
+                    dist[index[a]][index[b]] = min(dist[index[a]][index[b]], 0.0)
         for k in range(n):  # Floyd-Warshall: tightest bounds through chains of clocks
             for i in range(n):
                 if dist[i][k] == math.inf:
@@ -378,8 +387,12 @@ class Timeline:
                     None if low == -math.inf else low,
                     None if high == math.inf else high,
                     direct[w],
+                    self.hosts.get(w, ""),
                 )
             )
         if reference:
-            bounds.insert(0, ClockBounds(reference, self.jobs.get(reference, ""), 0.0, 0.0, direct[reference]))
+            ref = ClockBounds(
+                reference, self.jobs.get(reference, ""), 0.0, 0.0, direct[reference], self.hosts.get(reference, "")
+            )
+            bounds.insert(0, ref)
         return Clocks(reference, bounds)

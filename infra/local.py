@@ -31,6 +31,7 @@ from bucket import appendlog, events, layout, replicas
 from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError, to_toml
+from infra.dashboard.terminal import LiveView
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
 from infra.summary import render, summarize
 
@@ -107,11 +108,19 @@ def _ensure_model(config: Config) -> None:
             prepare_model(path)
 
 
+def progress_display(store: Store) -> Progress | LiveView:
+    """A live view when stdout is a terminal; else one plain line per event (a log file, CI, a pipe)."""
+    return LiveView(store) if sys.stdout.isatty() else Progress(store)
+
+
 class Progress:
     """Prints what the jobs report to the bucket, reading only new events."""
 
     def __init__(self, store: Store):
         self.store, self.cursors = store, {}
+
+    def close(self) -> None:
+        pass  # every line is printed already
 
     def poll(self) -> None:
         new = appendlog.read_after(self.store, layout.EVENTS, self.cursors)
@@ -225,7 +234,7 @@ class LocalRun:
         self.started = time.monotonic()
         self.started_at = time.time()
         self.deadline = self.started + config.local.max_wall_s
-        self.progress = Progress(store)
+        self.progress = progress_display(store)
         self.replica_startup_s = 0.0
 
     def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
@@ -276,6 +285,7 @@ class LocalRun:
         # since their sidecars deregister and then stop vLLM.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.progress.close()  # the live view's last frame stays; what follows prints below it
         for job in reversed(self.jobs):
             try:
                 job.stop(timeout_s=60 if job in self.replicas else 30)
@@ -364,6 +374,7 @@ def _run_in(config: Config, store: Store, run_dir: str, logs: str) -> int:
     manifest = init_or_check(store, config.run, "local")
     cfg_path = _write_config(config, run_dir)
     print(f"run {manifest.run_id}: bucket {store.url}\n  logs in {logs}", flush=True)
+    print(f"  in a browser: brigade dashboard --bucket {store.url}", flush=True)
 
     local = LocalRun(config, store, cfg_path, logs)
     signal.signal(signal.SIGTERM, _raise_interrupt)

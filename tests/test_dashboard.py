@@ -128,6 +128,39 @@ def test_stages_and_clock_bounds_from_events(tmp_path):
     assert clocks.skew_between("trainer-a", "rollout-w-events") == pytest.approx((3.5, 5.3))
 
 
+def test_one_host_one_clock_and_first_rollout_per_replica_from_its_event(tmp_path):
+    """Events name their host: writers on one machine share its clock (skew 0, not just bounded). The rollout
+    worker's adapter_first_rollout per (version, replica) gives each replica's first rollout without shards."""
+    store = Store(str(tmp_path / "bucket"))
+    store.check_reachable(create=True)
+    _event(store, "trainer-a", "adapter_published", 50.1, version=1, step=2, committed_at=50.0, host="gpu-1")
+    _event(store, "proxy-a", "adapter_loaded", 50.4, version=1, replica="r0", seconds=0.1, host="gpu-1")
+    _event(store, "proxy-a", "adapter_loaded_all", 50.4, version=1, seconds=0.1, started_at=50.3, host="gpu-1")
+    _event(store, "rollout-w-events", "adapter_detected", 50.2, version=1, host="cpu-1")
+    for replica, generated_at in (("r0", 51.0), ("r1", 51.5)):
+        _event(
+            store,
+            "rollout-w-events",
+            "adapter_first_rollout",
+            generated_at + 0.1,
+            version=1,
+            replica=replica,
+            generated_at=generated_at,
+            host="cpu-1",
+        )
+    timeline = Timeline()
+    timeline.poll(store)
+    v1 = timeline.version(1)
+    assert v1.at["first_rollout"] == pytest.approx(51.1)  # the version's first: the earliest of its events
+    assert {r: load.first_rollout_at for r, load in v1.replicas.items()} == {"r0": 51.0, "r1": 51.5}
+    clocks = timeline.clocks()
+    proxy, rollout = clocks.of("proxy-a"), clocks.of("rollout-w-events")
+    assert (proxy.low, proxy.high, proxy.host) == (0.0, 0.0, "gpu-1")  # the trainer's machine
+    # detected (rollout) before committed + 0.2, and before the fan-out it asked for (proxy, 0.1 later)
+    assert rollout.host == "cpu-1" and (rollout.low, rollout.high) == pytest.approx((-0.1, 0.2))
+    assert "<td class='l'>cpu-1</td>" in page.clocks_panel(clocks)
+
+
 def test_fanout_start_is_the_time_the_proxy_stamped(tmp_path):
     """A proxy stamps `started_at` on adapter_loaded_all when the load request arrived: the stage does not
     depend on how soon its per-replica events were written (a busy proxy writes them late)."""

@@ -477,7 +477,8 @@ def clocks_panel(clocks: Clocks) -> str:
         return "unbounded" if x is None else f"{x:+.3f}"
 
     rows = "".join(
-        f"<tr><td class='l'>{escape(c.job)}</td><td class='l'>{escape(c.writer)}</td><td>{b(c.low)}</td>"
+        f"<tr><td class='l'>{escape(c.job)}</td><td class='l'>{escape(c.writer)}</td>"
+        f"<td class='l'>{escape(c.host)}</td><td>{b(c.low)}</td>"
         f"<td>{b(c.high)}</td><td>{c.estimate:+.3f}</td><td>{c.pairs}</td>"
         f"<td class='l'>{'' if c.consistent else '<span class=bad>inconsistent: a clock jumped</span>'}</td></tr>"
         for c in clocks.bounds
@@ -487,8 +488,10 @@ def clocks_panel(clocks: Clocks) -> str:
         "causality alone: a version is committed before it is detected, loaded or generated with; a load is "
         "answered before the rollouts that use it; a shard is created before the checkpoint that consumed it. "
         "The estimate is the value within the bounds closest to 0 (clocks are taken as in sync unless the "
-        "events prove otherwise). Intervals marked ⇄ include this skew. See docs/dashboard.md.</p>"
-        "<table><tr><th class='l'>job</th><th class='l'>writer</th><th>at least</th><th>at most</th>"
+        "events prove otherwise; writers on one host share its clock exactly). Intervals marked ⇄ include "
+        "this skew. See docs/dashboard.md.</p>"
+        "<table><tr><th class='l'>job</th><th class='l'>writer</th><th class='l'>host</th><th>at least</th>"
+        "<th>at most</th>"
         f"<th>estimate</th><th>causal pairs</th><th></th></tr>{rows}</table></section>"
     )
 

@@ -1,15 +1,17 @@
-"""The dashboard in a terminal (`brigade dashboard --terminal`): the banner, the run's figures, the latest
-versions' stages and the replicas, redrawn with `rich` from the same `RunData` as the page."""
+"""The dashboard in a terminal (`brigade dashboard --terminal`, and `brigade local` on a terminal): the banner,
+the run's figures, the latest versions' stages and the replicas, redrawn with `rich` from the same `RunData`
+as the page."""
 
 from __future__ import annotations
 
 import time
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from bucket.store import Store
 from bucket.timeline import STAGES
 from infra.dashboard.data import RunData
 from infra.dashboard.health import check
@@ -74,3 +76,31 @@ def watch(data: RunData, refresh_s: float) -> None:
             time.sleep(refresh_s)
             data.refresh()
             live.update(render(data), refresh=True)
+
+
+class LiveView:
+    """`brigade local`'s display when stdout is a terminal: the view above, redrawn at every `poll()`.
+
+    Started at the first poll, so what `brigade local` prints while the replicas start scrolls as usual;
+    lines printed while it is live appear above it (rich redirects stdout). `close()` leaves the last
+    frame on screen, above the final summary."""
+
+    def __init__(self, store: Store, console: Console | None = None) -> None:
+        self.data = RunData(store)
+        self.console = console or Console()
+        self.hint = f"[dim]in a browser: brigade dashboard --bucket {store.url}[/dim]"
+        self.live: Live | None = None
+
+    def poll(self) -> None:
+        self.data.refresh()
+        view = Group(render(self.data), self.hint)
+        if self.live is None:
+            self.live = Live(view, console=self.console, auto_refresh=False)
+            self.live.start(refresh=True)
+        else:
+            self.live.update(view, refresh=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
