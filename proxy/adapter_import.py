@@ -49,8 +49,9 @@ def read_folder(store: Store, folder: str) -> tuple[dict[str, bytes], str]:
         except NotFound:
             raise ImportRefused(
                 400,
-                f"{folder} is not an adapter folder: it has no {name} (expected {', '.join(adapters.ADAPTER_FILES)}, "
-                "as peft's save_pretrained writes them)",
+                f"{folder} is neither an adapter version folder ({layout.ADAPTERS}/vNNNNNN, as the trainer "
+                f"publishes them) nor an adapter folder to import: it has no {name} (expected "
+                f"{', '.join(adapters.ADAPTER_FILES)}, as peft's save_pretrained writes them)",
             ) from None
     digest = hashlib.sha256(b"".join(hashlib.sha256(files[n]).digest() for n in adapters.ADAPTER_FILES)).hexdigest()
     return files, digest

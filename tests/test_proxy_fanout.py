@@ -480,7 +480,7 @@ def test_a_trl_adapter_folder_in_the_bucket_is_imported_under_its_own_name(tmp_p
             empty = lora_dir / "nothing"
             empty.mkdir()
             resp = await load(client, "trl-policy-v3", str(empty))
-            assert resp.status_code == 400 and "has no adapter_model.safetensors" in resp.text
+            assert resp.status_code == 400 and "it has no adapter_model.safetensors" in resp.text
             resp = await load(client, "trl-policy-v3", str(tmp_path))
             assert resp.status_code == 400 and "outside this proxy's bucket" in resp.text
             # a new run reuses the names: the old run's versions are unloaded, then its v1 is loaded

@@ -198,7 +198,7 @@ def test_probe_catches_a_replica_serving_the_base_under_the_adapters_name(vllm_r
 
     async def body():
         async with proxied(store, manifest) as (proxy, client):
-            ad = proxy.fanout  # the probe itself, on both replicas, before the load repairs anything
+            ad = proxy.fanout.prober  # the probe itself, on both replicas, before the load repairs anything
             from proxy.lora_paths import AdapterRef
 
             ref = AdapterRef(name, version, layout.version_dir(version), canary)
