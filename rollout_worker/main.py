@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -46,6 +47,7 @@ from rollout_worker.sampler import PromptSampler, Ticket
 from rollout_worker.shards import ShardOutput
 
 log = logging.getLogger("brigade.rollout")
+PROXY_TOKEN_ENV = "BRIGADE_PROXY_ADMIN_TOKEN"  # the proxy's admin_token_env default
 
 MAX_FAILURES_IN_A_ROW = 50
 
@@ -349,8 +351,11 @@ async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig
     manifest = wait_and_check(store, spec, "rollout worker", bucket.manifest_wait_s)
     # One connection per completion in flight, plus a few for tokenising and adapter loads.
     limits = httpx.Limits(max_connections=settings.max_inflight_groups * manifest.num_generations + 8)
+    # The proxy's admin endpoints (adapter loads and unloads) need its token when it has one: the same variable.
+    token = os.environ.get(PROXY_TOKEN_ENV, "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(
-        base_url=settings.proxy_url, timeout=settings.request_timeout_s, limits=limits
+        base_url=settings.proxy_url, timeout=settings.request_timeout_s, limits=limits, headers=headers
     ) as client:
         await wait_for_proxy(client, settings.proxy_url, bucket.manifest_wait_s)
         worker = Worker(settings, store, manifest, client)
