@@ -16,7 +16,8 @@ so a bucket hiccup costs a job a few hundred milliseconds, not its life.
 
 Exclusive creates (`put_if_absent`) are atomic where the store can make them
 so: a hard link on a local folder, a conditional PUT (`If-None-Match: *`) on
-S3 and the S3-compatible stores that implement it. A store that ignores or
+S3 and the S3-compatible stores that implement it. A FUSE mount of an object
+store has no hard links: there it is check-then-rename. A store that ignores or
 rejects the condition is detected once per process by a probe and falls
 back to check-then-put, which only guards against mistakes, not races
 (docs/architecture.md, "Exclusive creates").
@@ -42,6 +43,8 @@ TEMP_PREFIX = ".tmp-"
 S3_RETRY_ATTEMPTS = 10
 
 log = logging.getLogger("brigade.bucket")
+# link() on a FUSE mount of an object store (s3fs, gcsfuse, mountpoint-s3): "Operation not supported".
+NO_LINK_ERRNOS = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.ENOSYS)
 
 
 class BucketError(RuntimeError):
@@ -94,6 +97,7 @@ class Store:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
         self._conditional: bool | None = None  # does the object store honour If-None-Match? (probed once)
+        self.hard_links = True  # a local folder supports link(), until a FUSE mount says otherwise
         self._probe_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -165,7 +169,10 @@ class Store:
             entries = self.fs.ls(self.path(prefix), detail=False)
         except FileNotFoundError:
             return []
-        names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
+        # A FUSE mount (s3fs) writes an empty "<folder>/" marker object per folder, which an object store
+        # lists as an entry of the folder itself: not a child.
+        own = self.path(prefix).rstrip("/")
+        names = {posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != own}
         return sorted(n for n in names if n and not n.startswith(TEMP_PREFIX))
 
     # -- writes ------------------------------------------------------------
@@ -253,19 +260,39 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.link(tmp, target)
+            if self.hard_links:
+                try:
+                    os.link(tmp, target)
+                    return True
+                except FileExistsError:
+                    return False
+                except OSError as exc:
+                    if exc.errno not in NO_LINK_ERRNOS:
+                        raise
+                    self._no_hard_links(exc)
+            # A FUSE mount of an object store: no link(), and rename() is a server-side copy that makes the
+            # target appear whole (readers never see a partial object) but may replace an existing one, so
+            # this is check-then-rename: exclusive against mistakes, not against a race (see the docs).
+            if os.path.lexists(target):
+                return False
+            os.replace(tmp, target)
             return True
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EPERM, errno.ENOSYS):
-                raise
-            raise BucketError(
-                f"{self.url} does not support hard links ({exc.strerror}), which exclusive creates on a folder "
-                "need: it looks like a FUSE mount of an object store; give the jobs the s3:// URL instead"
-            ) from exc
         finally:
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass  # renamed into place
+
+    def _no_hard_links(self, exc: OSError) -> None:
+        self.hard_links = False
+        log.warning(
+            "%s has no hard links (%s): a FUSE mount of an object store? Exclusive creates fall back to "
+            "check-then-rename, which guards against mistakes but not races; every writer here has its own "
+            "names, so this holds while one trainer runs and writer ids are unique. For atomic exclusive "
+            "creates give the jobs the s3:// URL instead (docs/architecture.md, 'Mounted buckets').",
+            self.url,
+            exc.strerror,
+        )
 
     def delete(self, key: str) -> None:
         try:
