@@ -49,6 +49,12 @@ class ReplicaConfig(BaseModel):
         "empty = a new temp folder (its path is printed).",
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments passed to vLLM's api_server.")
+    api_key_env: str = Field(
+        "BRIGADE_REPLICA_API_KEY",
+        description="Environment variable holding the bearer token vLLM requires on /v1/* (passed to vLLM as "
+        "VLLM_API_KEY, never on its command line or in a log); the proxy sends it from the same variable. "
+        "Unset: no token.",
+    )
     metrics: bool = Field(True, description="Serve the sidecar's Prometheus /metrics (brigade_replica_...).")
     metrics_port: int = Field(
         0,

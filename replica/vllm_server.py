@@ -118,6 +118,10 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
         argv += ["--max-num-seqs", str(rc.max_num_seqs)]
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""
+    if key:
+        # Through the environment: a command line is readable by every user of the machine (ps).
+        env["VLLM_API_KEY"] = key
     # The model folder is local; vLLM must never reach for the hub.
     env.setdefault("HF_HUB_OFFLINE", "1")
     if cpu:

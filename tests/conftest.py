@@ -128,7 +128,14 @@ def _log_tail(path: str, lines: int = 40) -> str:
 
 
 def start_replica(
-    bucket_url: str, model_dir: str, port: int, replica_id: str, cpu_threads: str, log_dir: str, *extra: str
+    bucket_url: str,
+    model_dir: str,
+    port: int,
+    replica_id: str,
+    cpu_threads: str,
+    log_dir: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """`brigade replica` as its own process (the code path a deployment uses); returns it and its log path."""
     os.makedirs(log_dir, exist_ok=True)
@@ -157,7 +164,9 @@ def start_replica(
         *extra,
     ]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     return proc, log_path
 
 

@@ -201,16 +201,24 @@ def test_broken_model_fails_with_vllms_own_words_and_leaves_no_process(tmp_path)
 
 
 def test_sigterm_deregisters_and_stops_vllm(tmp_path, model_dir):
-    """SIGTERM to the sidecar must leave neither a registry entry nor a process of vLLM's tree."""
+    """SIGTERM to the sidecar must leave neither a registry entry nor a process of vLLM's tree. The replica
+    runs with an API key: vLLM refuses /v1/* without it, and the key is on no command line and in no log."""
     store = local_bucket_with_run(tmp_path)
     port = free_port()
-    proc, log_path = start_replica(store.url, model_dir, port, "test-replica-sigterm", "1", str(tmp_path / "logs"))
+    key = "replica-secret-5f2c"
+    env = {**os.environ, "BRIGADE_REPLICA_API_KEY": key}
+    logs = tmp_path / "logs"
+    proc, log_path = start_replica(store.url, model_dir, port, "test-replica-sigterm", "1", str(logs), env=env)
     try:
         deadline = time.monotonic() + 400
         while "test-replica-sigterm" not in {r.replica_id for r in replicas.list_replicas(store)}:
             assert proc.poll() is None, open(log_path).read()[-3000:]
             assert time.monotonic() < deadline, "the replica did not register"
             time.sleep(1)
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url, timeout=30).status_code == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+        assert not any(key in c for c in process_cmdlines().values())
         vllm_pids = {pid for pid, c in process_cmdlines().items() if f"--port {port}" in c}
         group = set().union(*(_group_members(pid) for pid in vllm_pids))
         assert vllm_pids and len(group) >= 3  # API server, engine core, worker
@@ -222,6 +230,7 @@ def test_sigterm_deregisters_and_stops_vllm(tmp_path, model_dir):
             proc.wait()
     assert "test-replica-sigterm" not in {r.replica_id for r in replicas.list_replicas(store)}
     assert live_pids(group) == set()
+    assert not any(key in f.read_text(errors="replace") for f in logs.iterdir())
 
 
 # -- the session's two real replicas --------------------------------------------------------------------
