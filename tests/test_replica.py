@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -155,6 +156,27 @@ def test_missing_model_folder_names_prepare_model(tmp_path):
     )
     assert out.returncode == 2
     assert "brigade prepare-model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_model_folder_with_another_tokenizer_is_refused(tmp_path, model_dir):
+    """The trainer recorded its tokenizer (here: the same model re-exported with one more special token); a
+    replica whose folder tokenizes differently must refuse before starting vLLM, naming the file that differs."""
+    import shutil
+
+    from bucket import tokenizer_id
+
+    store = local_bucket_with_run(tmp_path)
+    other = tmp_path / "re-exported"
+    shutil.copytree(model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    cfg["additional_special_tokens"] = [*cfg.get("additional_special_tokens", []), "<|extra|>"]
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    recorded = tokenizer_id.check_or_record(store, str(other), "trainer")
+    assert recorded and tokenizer_id.check_or_record(store, str(other), "trainer") == recorded  # same: fine
+    out = run_replica_cli("--bucket", store.url, "--replica.model-path", model_dir, "--replica.port", str(free_port()))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "is not the one this run's token ids are made with: tokenizer_config.json differ" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_port_in_use_is_refused_before_starting_vllm(tmp_path, model_dir):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bucket import layout, progress
+from bucket import layout, progress, tokenizer_id
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import GroupId, ScoredGroup
 from bucket.settings import BucketConfig, open_bucket
@@ -33,6 +33,7 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     dp = DataParallel(cpu=settings.device == "cpu")  # world size 1 unless started by a launcher
     if dp.is_main:
         manifest = init_or_check(store, spec, "trainer")  # creates run.json on a new run
+        tokenizer_id.check_or_record(store, settings.model_path, "trainer")
     dp.barrier()
     if not dp.is_main:
         manifest = init_or_check(store, spec, "trainer")
