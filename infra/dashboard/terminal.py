@@ -4,6 +4,7 @@ as the page."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from rich.console import Console, Group
@@ -15,6 +16,8 @@ from bucket.store import Store
 from bucket.timeline import STAGES
 from infra.dashboard.data import RunData
 from infra.dashboard.health import check
+
+log = logging.getLogger("brigade.local")
 
 # Short names of the intervals between consecutive stages, for narrow terminals.
 SHORT = ("commit", "notice", "request", "fan-out", "1st rollout")
@@ -92,8 +95,12 @@ class LiveView:
         self.live: Live | None = None
 
     def poll(self) -> None:
-        self.data.refresh()
-        view = Group(render(self.data), self.hint)
+        try:
+            self.data.refresh()
+            view = Group(render(self.data), self.hint)
+        except Exception as exc:  # noqa: BLE001 - a display bug must not stop the run it displays
+            log.warning("live view not redrawn: %s: %s", type(exc).__name__, exc)
+            return
         if self.live is None:
             self.live = Live(view, console=self.console, auto_refresh=False)
             self.live.start(refresh=True)
