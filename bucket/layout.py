@@ -1,7 +1,6 @@
 """Where every object lives in the bucket, and who writes it.
 
 run.json                                   written once (first trainer or `brigade init`); read by every job
-tokenizer-id.json                          written once (first trainer or replica): its tokenizer's sha256
 adapters/v000001/adapter_model.safetensors trainer; read by replicas (or their mirror)
 adapters/v000001/adapter_config.json       trainer
 adapters/v000001/COMMITTED.json            trainer, LAST: checksums of the files above
@@ -19,7 +18,6 @@ rollout_workers/<worker>/data_cursor.json  rollout worker, after every shard: wh
 from __future__ import annotations
 
 RUN_MANIFEST = "run.json"
-RUN_TOKENIZER = "tokenizer-id.json"  # the tokenizer every job's token ids are made with (bucket/tokenizer_id.py)
 ADAPTERS = "adapters"
 ADAPTERS_LATEST = f"{ADAPTERS}/LATEST.json"
 COMMIT_MARKER = "COMMITTED.json"

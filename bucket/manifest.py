@@ -22,7 +22,8 @@ from bucket.store import BucketError, NotFound, Store
 # reader of an older brigade would misread what a newer one writes.
 #   1: first release
 #   2: shards carry typed sampling parameters; typed trainer progress and done marker
-FORMAT_VERSION = 2
+#   3: run.json records the tokenizer's fingerprint (bucket/tokenizer_id.py)
+FORMAT_VERSION = 3
 
 
 class RunSpec(BaseModel):
@@ -51,6 +52,8 @@ class RunManifest(RunSpec):
     run_id: str
     created_at: float
     format_version: int = FORMAT_VERSION
+    # The creator's tokenizer files, hashed (bucket/tokenizer_id.py); {} when it was created without a model.
+    tokenizer: dict[str, str] = Field(default_factory=dict)
 
     def lora_name(self, version: int) -> str:
         """Name an adapter version is loaded under in vLLM.
@@ -109,9 +112,14 @@ def check_manifest(manifest: RunManifest, spec: RunSpec, job: str) -> None:
         )
 
 
-def init_or_check(store: Store, spec: RunSpec, job: str) -> RunManifest:
-    """Create run.json if the bucket has none, else check it. Returns the manifest in force."""
-    manifest = RunManifest(**spec.model_dump(), run_id=uuid.uuid4().hex[:8], created_at=time.time())
+def init_or_check(store: Store, spec: RunSpec, job: str, tokenizer: dict[str, str] | None = None) -> RunManifest:
+    """Create run.json if the bucket has none, else check it. Returns the manifest in force.
+
+    `tokenizer`: the creating job's tokenizer fingerprint (tokenizer_id.fingerprint), recorded on creation.
+    """
+    manifest = RunManifest(
+        **spec.model_dump(), run_id=uuid.uuid4().hex[:8], created_at=time.time(), tokenizer=tokenizer or {}
+    )
     created = store.put_if_absent(layout.RUN_MANIFEST, json.dumps(manifest.model_dump(), indent=1).encode())
     if created:
         return manifest

@@ -44,8 +44,9 @@ TOOLS: dict[str, tuple[str, list[str], str]] = {
     ),
     "init": (
         "infra.init_run",
-        ["run", "bucket"],
-        "Write run.json to a bucket (or check the one there) without starting a job.",
+        ["run", "bucket", "trainer"],
+        "Write run.json to a bucket (or check the one there) without starting a job; with the trainer's model "
+        "folder at hand (--trainer.model-path), it records that folder's tokenizer.",
     ),
     "summary": (
         "infra.summary",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from bucket import tokenizer_id
 from bucket.manifest import init_or_check
 from bucket.settings import open_bucket
 from infra.config import Config
@@ -11,6 +12,7 @@ from infra.config import Config
 
 def run(config: Config) -> int:
     store = open_bucket(config.bucket, create=True)
-    manifest = init_or_check(store, config.run, "init")
+    # With the trainer's model folder at hand, run.json records its tokenizer (bucket/tokenizer_id.py).
+    manifest = init_or_check(store, config.run, "init", tokenizer_id.fingerprint(config.trainer.model_path))
     print(json.dumps(manifest.model_dump(), indent=1))
     return 0

@@ -174,7 +174,7 @@ class Replica:
         store = open_bucket(self.bucket)
         manifest = wait_and_check(store, self.spec, "replica", self.bucket.manifest_wait_s)
         check_model_dir(self.rc.model_path)
-        tokenizer_id.check_or_record(store, self.rc.model_path, "replica")
+        tokenizer_id.check(manifest, self.rc.model_path, "replica")
         plan = plan_server(self.rc, manifest, cpu=is_cpu_build())
         check_port_free(self.rc.host, self.rc.port)
         event_log = EventLog(store, "replica", replica=self.rid)

@@ -116,3 +116,14 @@ def test_example_config_is_valid():
 
     c = load(path=str(Path(__file__).parent.parent / "infra" / "example-run.toml"))
     assert c.trainer.max_steps == 40 and c.run.num_generations == 8 and c.local.num_replicas == 2
+
+
+def test_init_records_the_trainers_tokenizer_in_run_json(tmp_path, model_dir):
+    from bucket.manifest import read_manifest
+    from bucket.tokenizer_id import fingerprint
+
+    bucket = tmp_path / "bucket"
+    out = brigade("init", "--bucket", str(bucket), "--trainer.model-path", model_dir)
+    assert out.returncode == 0, out.stderr
+    recorded = read_manifest(Store(str(bucket))).tokenizer
+    assert recorded == fingerprint(model_dir) and {"sha256", "tokenizer.json"} <= set(recorded)

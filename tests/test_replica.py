@@ -16,7 +16,7 @@ from conftest import REPO_ROOT, free_port, make_adapter_files, new_s3_bucket, st
 from promql import missing, scrape
 
 from bucket import adapters, events, layout, replicas
-from bucket.manifest import RunSpec, init_or_check
+from bucket.manifest import RunSpec, init_or_check, read_manifest
 from bucket.store import Store
 from replica import mirror as mirror_mod
 from replica.config import ReplicaConfig
@@ -159,20 +159,22 @@ def test_missing_model_folder_names_prepare_model(tmp_path):
 
 
 def test_a_model_folder_with_another_tokenizer_is_refused(tmp_path, model_dir):
-    """The trainer recorded its tokenizer (here: the same model re-exported with one more special token); a
-    replica whose folder tokenizes differently must refuse before starting vLLM, naming the file that differs."""
+    """The trainer recorded its tokenizer in run.json (here: the same model re-exported with one more special
+    token); a replica whose folder tokenizes differently must refuse before starting vLLM, naming the file."""
     import shutil
 
     from bucket import tokenizer_id
 
-    store = local_bucket_with_run(tmp_path)
     other = tmp_path / "re-exported"
     shutil.copytree(model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
     cfg = json.loads((other / "tokenizer_config.json").read_text())
     cfg["additional_special_tokens"] = [*cfg.get("additional_special_tokens", []), "<|extra|>"]
     (other / "tokenizer_config.json").write_text(json.dumps(cfg))
-    recorded = tokenizer_id.check_or_record(store, str(other), "trainer")
-    assert recorded and tokenizer_id.check_or_record(store, str(other), "trainer") == recorded  # same: fine
+    store = Store(str(tmp_path / "bucket"))
+    store.check_reachable(create=True)
+    manifest = init_or_check(store, RunSpec(), "trainer", tokenizer_id.fingerprint(str(other)))
+    assert read_manifest(store).tokenizer["tokenizer_config.json"] == manifest.tokenizer["tokenizer_config.json"]
+    assert tokenizer_id.check(manifest, str(other), "trainer") == manifest.tokenizer["sha256"]  # the same: fine
     out = run_replica_cli("--bucket", store.url, "--replica.model-path", model_dir, "--replica.port", str(free_port()))
     assert out.returncode == 2, out.stderr[-2000:]
     assert "is not the one this run's token ids are made with: tokenizer_config.json differ" in out.stderr

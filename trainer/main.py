@@ -32,8 +32,9 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     check_model_dir(settings.model_path)
     dp = DataParallel(cpu=settings.device == "cpu")  # world size 1 unless started by a launcher
     if dp.is_main:
-        manifest = init_or_check(store, spec, "trainer")  # creates run.json on a new run
-        tokenizer_id.check_or_record(store, settings.model_path, "trainer")
+        # creates run.json on a new run, with this model's tokenizer
+        manifest = init_or_check(store, spec, "trainer", tokenizer_id.fingerprint(settings.model_path))
+        tokenizer_id.check(manifest, settings.model_path, "trainer")
     dp.barrier()
     if not dp.is_main:
         manifest = init_or_check(store, spec, "trainer")
