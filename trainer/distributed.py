@@ -12,10 +12,13 @@ One process (no launcher) is world size 1 and every call here is a no-op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 
-from trainer.packing import MicroBatch
+T = TypeVar("T")
 
 
 class DataParallel:
@@ -27,15 +30,16 @@ class DataParallel:
         self.device = state.device
         self.is_main = self.rank == 0
 
-    def share(self, micro: list[MicroBatch]) -> list[MicroBatch]:
-        """This rank's micro-batches: largest first, each to the rank with the fewest tokens so far."""
+    def share(self, micro: list[T], size: Callable[[T], int] = lambda mb: mb.tokens) -> list[T]:
+        """This rank's micro-batches (or planned rows): largest first, each to the rank with the fewest tokens
+        so far. Every rank computes the same split from the same list, so nothing is exchanged."""
         if self.world == 1:
             return micro
         load = [0] * self.world
         mine = []
-        for mb in sorted(micro, key=lambda m: m.tokens, reverse=True):
+        for mb in sorted(micro, key=size, reverse=True):
             r = min(range(self.world), key=lambda i: (load[i], i))
-            load[r] += mb.tokens
+            load[r] += size(mb)
             if r == self.rank:
                 mine.append(mb)
         return mine

@@ -28,6 +28,7 @@ in no denominator.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -143,8 +144,10 @@ def token_loss(
     return loss, parts
 
 
-def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], cfg: LossConfig) -> torch.Tensor:
-    """Forward and backward every micro-batch (gradients accumulate); returns the SUMS on the device, unsynced."""
+def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], cfg: LossConfig) -> torch.Tensor:
+    """Forward and backward every micro-batch (gradients accumulate); returns the SUMS on the device, unsynced.
+
+    `micro_batches` may be a generator that builds each row as it is needed (see packing.rows)."""
     sums = None
     for mb in micro_batches:
         logp, entropy = packed_logprobs(model, mb)

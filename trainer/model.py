@@ -76,11 +76,13 @@ def wrap_lora(base: torch.nn.Module, spec: RunSpec) -> PeftModel:
 
 
 def compile_layers(model: PeftModel) -> None:
-    """torch.compile each decoder layer (fuses the LoRA and normalisation element-wise work); rows must then be
-    of one length (packing's `static`), or every new length compiles again."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a few row lengths
+    """torch.compile each decoder layer (fuses the LoRA and normalisation element-wise work). Rows are then padded
+    to a multiple of packing's `row_quantum`, and each row length compiles once (dynamic=False: a graph with a
+    symbolic length would be slower, and flex attention's kernels are tuned per length)."""
+    # 16 row lengths at most (row_quantum), forward and backward
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.get_base_model().base_model.layers:
-        layer.compile()
+        layer.compile(dynamic=False)
 
 
 def adapter_files(model: PeftModel) -> dict[str, bytes]:

@@ -76,10 +76,14 @@ class MicroBatch:
     tokens: int  # real (unpadded) tokens in the row
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        device = torch.device(device)
+        # Pinned host memory makes the copies truly asynchronous: the host goes on building the next row
+        # while the device still works through the previous one (a pageable copy would wait for it).
+        pin = device.type == "cuda"
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            f.name: (t.pin_memory() if pin else t).to(device, non_blocking=True)
             for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
+            if isinstance(t := getattr(self, f.name), torch.Tensor)
         }
         return dataclasses.replace(self, **moved)
 
@@ -179,16 +183,28 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
     )
 
 
-def pack(
-    groups: list[tuple[list[int], list[Completion]]], token_budget: int, pad_to: int = 1, static: bool = False
-) -> list[MicroBatch]:
-    """The step's micro-batches; the budget grows to the longest single sequence if that is longer.
-
-    Rows are padded to a multiple of `pad_to`, or with `static` to the budget itself (one shape for compiled code).
-    """
+def rows(groups: list[tuple[list[int], list[Completion]]], token_budget: int) -> list[list[Unit]]:
+    """The step's rows as units, planned on the host (cheap: no tensors yet); the budget grows to the longest
+    single sequence if that is longer. `build` turns each into a MicroBatch when it is needed, so that building
+    row i + 1 overlaps the device's work on row i."""
     longest = max((len(p) + len(c.ids) - 1 for p, cs in groups for c in cs), default=0)
     budget = max(token_budget, longest)
-    return [build(units, budget if static else pad_to) for units in plan(make_units(groups, budget), budget)]
+    return plan(make_units(groups, budget), budget)
+
+
+def row_tokens(units: list[Unit]) -> int:
+    return sum(u.size for u in units)
+
+
+def row_quantum(token_budget: int) -> int:
+    """Compiled code pads rows to a multiple of this (budget / 16, in whole flex blocks): a step's last, partly
+    filled row wastes at most one quantum, and at most 16 row lengths are ever compiled."""
+    return max(FLEX_BLOCK, -(-token_budget // 16 // FLEX_BLOCK) * FLEX_BLOCK)
+
+
+def pack(groups: list[tuple[list[int], list[Completion]]], token_budget: int, pad_to: int = 1) -> list[MicroBatch]:
+    """The step's micro-batches, each padded to a multiple of `pad_to`, built at once (see `rows`)."""
+    return [build(units, pad_to) for units in rows(groups, token_budget)]
 
 
 # -- attention over a packed row -----------------------------------------------------------------------

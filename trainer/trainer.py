@@ -34,7 +34,7 @@ from trainer.model import (
     load_optimizer,
     optimizer_bytes,
 )
-from trainer.packing import FLEX_BLOCK, pack
+from trainer.packing import FLEX_BLOCK, build, row_quantum, row_tokens, rows
 
 log = logging.getLogger("brigade.trainer")
 
@@ -48,8 +48,8 @@ class Trainer:
         device = str(self.dp.device) if self.dp.world > 1 else settings.device  # one GPU per rank
         self.model = build_model(settings.model_path, settings.dtype, manifest, device)
         self.device = next(self.model.parameters()).device
-        self.static = settings.compile and self.device.type == "cuda"
-        if self.static:
+        self.compiled = settings.compile and self.device.type == "cuda"
+        if self.compiled:
             compile_layers(self.model)
         self.loss = LossConfig.from_settings(settings)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -118,16 +118,14 @@ class Trainer:
         groups = [g for _, g in batch]
         advs, zero = advantages(groups, self.loss.scale_rewards)
         keep = [i for i, z in enumerate(zero) if not z]
-        pad = FLEX_BLOCK if self.device.type == "cuda" else 1
-        micro = pack(
-            completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss),
-            self.settings.token_budget or (16384 if self.device.type == "cuda" else 1024),
-            pad,
-            static=self.static,
-        )
+        budget = self.settings.token_budget or (16384 if self.device.type == "cuda" else 1024)
+        planned = rows(completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss), budget)
+        pad = row_quantum(budget) if self.compiled else FLEX_BLOCK if self.device.type == "cuda" else 1
         self.optimizer.zero_grad(set_to_none=True)
-        mine = [mb.to(self.device) for mb in self.dp.share(micro)]  # all of them, unless data-parallel
-        sums = self.dp.sum(accumulate(self.model, mine, self.loss))
+        mine = self.dp.share(planned, row_tokens)  # all of them, unless data-parallel
+        # built one at a time inside the loop: building row i + 1 overlaps the device's work on row i
+        micro = (build(units, pad).to(self.device) for units in mine)
+        sums = self.dp.sum(accumulate(self.model, micro, self.loss))
         self.dp.sum_gradients(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm)
         self.optimizer.step()  # parameters without a gradient (nothing trained) are left alone
@@ -149,8 +147,8 @@ class Trainer:
                 "skipped_zero_variance": sum(zero),
                 "sample/staleness_mean": sum(self.version - g.adapter_version for g in groups) / len(groups),
                 "perf/step_s": step_s,
-                "perf/micro_batches": len(micro),
-                "perf/tok_s": sum(mb.tokens for mb in micro) / step_s if step_s > 0 else 0.0,
+                "perf/micro_batches": len(planned),
+                "perf/tok_s": sum(row_tokens(r) for r in planned) / step_s if step_s > 0 else 0.0,
                 "samples": sum(len(groups[i].samples) for i in keep),
             }
         )
