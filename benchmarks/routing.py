@@ -38,6 +38,7 @@ import random
 import sys
 import time
 from collections import OrderedDict
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,7 +116,10 @@ def kv_hashes(tokens: list[int], name: str, block: int) -> list[int]:
 class BrigadePolicy:
     def __init__(self, replicas: list[Replica]) -> None:
         self.router = PrefixRouter(block_size=16)
-        self.router.set_replicas({r.rid: r.kv_block for r in replicas})
+        # What a real replica registers: its KV block size and its KV cache size in blocks.
+        self.router.set_replicas(
+            {r.rid: SimpleNamespace(block_size=r.kv_block, kv_blocks=r.kv_blocks) for r in replicas}
+        )
 
     def route(self, name: str, tokens: list[int], group: int, n: int, max_tokens: int) -> tuple[str, str, Any]:
         d = self.router.route_tokens(name, tokens, n=n, max_tokens=max_tokens)

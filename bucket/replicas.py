@@ -27,6 +27,9 @@ class ReplicaInfo(BaseModel):
     block_size: int
     max_loras: int
     started_at: float
+    # KV cache blocks of block_size tokens (vLLM's num_gpu_blocks; 0 = unknown): the proxy forgets the prefixes
+    # a replica has likely evicted once more than this many blocks went to it since.
+    kv_blocks: int = 0
     beat: int = 0
     heartbeat_at: float = 0.0
 

@@ -25,7 +25,10 @@ Three rules, in order:
   adapter name, so the discount is per adapter and one off-template prompt
   changes nothing for the others. A match
   counts only in whole KV blocks of the holder (its registered block size):
-  a 32-token-block replica caches only whole 32-token prefixes.
+  a 32-token-block replica caches only whole 32-token prefixes. A replica
+  that registered its KV capacity (`kv_blocks`) is assumed to evict least
+  recently used first: once more prompt blocks went to it than it holds, the
+  oldest are forgotten as homes.
 * **Otherwise the least-loaded replica,** load being outstanding tokens (the
   uncached part of the prompt plus the completion expected, learned from
   answers), not requests: completion lengths are long-tailed. Among the
@@ -145,6 +148,8 @@ class PrefixRouter:
         self._inflight: dict[str, int] = {}
         self._load: dict[str, float] = {}  # outstanding tokens
         self._kv_block: dict[str, int] = {}  # each replica's KV block size
+        self._capacity: dict[str, int] = {}  # routing links each replica's KV cache holds (absent: unbounded)
+        self._owned: dict[str, OrderedDict[int, None]] = {}  # links each bounded replica holds, oldest first
         self._order: list[str] = []
         # When each replica was last given work by load: ties among equally loaded replicas go to the one
         # that waited longest, so sequential new prompts alternate instead of piling up.
@@ -161,7 +166,8 @@ class PrefixRouter:
         return list(self._order)
 
     def set_replicas(self, replicas: Iterable[str] | Mapping[str, object]) -> None:
-        """The replicas that may receive traffic; a mapping's values may carry `block_size` (their KV block)."""
+        """The replicas that may receive traffic; a mapping's values may carry `block_size` (their KV block)
+        and `kv_blocks` (their KV cache size in those blocks)."""
         wanted = list(replicas)
         sizes = {}
         if isinstance(replicas, Mapping):
@@ -169,6 +175,10 @@ class PrefixRouter:
                 size = info if isinstance(info, int) else getattr(info, "block_size", None)
                 if isinstance(size, int) and size > 0:
                     sizes[rid] = size
+                blocks = getattr(info, "kv_blocks", 0)
+                if isinstance(blocks, int) and blocks > 0 and isinstance(size, int) and size > 0:
+                    self._capacity[rid] = max(1, blocks * size // self.block_size)
+                    self._owned.setdefault(rid, OrderedDict())
         known = [self._assigned[r] for r in self._order if r in self._assigned and r in wanted]
         mean = sum(known) / len(known) if known else 0.0
         for rid in wanted:
@@ -178,7 +188,15 @@ class PrefixRouter:
             self._kv_block[rid] = sizes.get(rid, self._kv_block.get(rid, self.block_size))
         removed = set(self._order) - set(wanted)
         for rid in removed:
-            for table in (self._inflight, self._load, self._last_given, self._kv_block, self._assigned):
+            for table in (
+                self._inflight,
+                self._load,
+                self._last_given,
+                self._kv_block,
+                self._assigned,
+                self._capacity,
+                self._owned,
+            ):
                 table.pop(rid, None)
         if removed:
             # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
@@ -412,8 +430,24 @@ class PrefixRouter:
             else:
                 entry[1] += 1
                 entry[2] = entry[2] or i == last
-                if own:
+                if own and entry[0] != replica_id:
+                    held = self._owned.get(entry[0])
+                    if held is not None:
+                        held.pop(link, None)
                     entry[0] = replica_id
                 table.move_to_end(link)
         while len(table) > self.max_blocks:
             table.popitem(last=False)
+        owned = self._owned.get(replica_id)
+        if owned is not None:
+            # The replica computed (or touched) these blocks: the newest in its cache. Past its capacity, the
+            # oldest are likely evicted: they stop being anyone's home (the share counts stay).
+            for link in links:
+                owned[link] = None
+                owned.move_to_end(link)
+            capacity = self._capacity[replica_id]
+            while len(owned) > capacity:
+                old, _ = owned.popitem(last=False)
+                entry = table.get(old)
+                if entry is not None and entry[0] == replica_id:
+                    entry[0] = None

@@ -203,6 +203,7 @@ class Replica:
                 block_size=plan.block_size,
                 max_loras=plan.max_loras,
                 started_at=time.time(),
+                kv_blocks=self.server.kv_blocks(),
             )
             replicas.register(store, info)
             self.registered = True

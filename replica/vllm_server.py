@@ -12,6 +12,7 @@ import ctypes
 import importlib.metadata
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,6 +174,15 @@ class VllmServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def kv_blocks(self, timeout_s: float = 5.0) -> int:
+        """vLLM's KV cache size in blocks, from its /metrics (cache_config_info's num_gpu_blocks; 0 = unknown)."""
+        try:
+            text = httpx.get(f"{self.plan.base_url}/metrics", timeout=timeout_s).text
+        except httpx.HTTPError:
+            return 0
+        m = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.MULTILINE)
+        return int(m.group(1)) if m else 0
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

@@ -258,3 +258,21 @@ def test_sequential_new_prompts_alternate_despite_unrouted_traffic():
         d = r.route_tokens("m", prompt(i))
         counts[d.replica] += 1  # finished before the next one starts: all replicas idle again
     assert counts == {"r0": 4, "r1": 4}
+
+
+@pytest.mark.parametrize(
+    ("kv_block", "kv_blocks", "kind"),
+    [(16, 0, PREFIX_HIT), (16, 1000, PREFIX_HIT), (16, 12, NEW), (32, 500, PREFIX_HIT), (32, 6, NEW)],
+)
+def test_prefixes_a_replica_has_likely_evicted_are_no_home(kv_block, kv_blocks, kind):
+    """A replica registered with room for 12 routing blocks (12 of 16 tokens, or 6 of 32; 0 = unknown): after
+    three more prompts of 7 blocks went to it, the first prompt's blocks are evicted (LRU), so a continuation
+    of that prompt is new work wherever it goes."""
+    from types import SimpleNamespace
+
+    r = PrefixRouter(block_size=16)
+    r.set_replicas({"r0": SimpleNamespace(block_size=kv_block, kv_blocks=kv_blocks)})
+    r.route_tokens("m", prompt(1, 64))
+    for i in (2, 3, 4):
+        r.route_tokens("m", prompt(i, 64))
+    assert r.route_tokens("m", prompt(1, 64) + list(range(40))).kind == kind

@@ -266,6 +266,9 @@ def test_replicas_register_and_heartbeat(vllm_replicas):
     for r in infos:
         assert r.base_model == manifest.base_model
         assert r.block_size == 32 and r.max_loras == manifest.max_staleness + 2
+        # its KV cache in blocks, from vLLM's own metrics: 1 GiB (the fixture's kv-cache-gib) of SmolLM2-135M's
+        # 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes = 23,040 bytes per token, in 32-token blocks
+        assert r.kv_blocks == 2**30 // (23_040 * 32), r.kv_blocks
         assert r.adapter_root == store.local_path(layout.ADAPTERS)  # a local bucket needs no mirror
         assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
     first = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
