@@ -17,7 +17,7 @@ import time
 from conftest import REPO_ROOT, free_port, make_adapter_files, stop, wait_http
 from promql import missing, scrape
 
-from bucket import adapters, events
+from bucket import adapters, appendlog, events, layout
 from bucket.datacursor import read_data_cursor
 from bucket.rollouts import RolloutShard, read_shards
 from rollout_worker.prompts import load_data
@@ -73,23 +73,18 @@ def _check_metrics(m: dict[str, float], store, num_generations: int) -> None:
 
 def _check_first_rollouts(store) -> None:
     """One adapter_first_rollout per (version, replica) the worker generated with, naming the replica."""
-    firsts = [
-        e
-        for e in events.read_all(store)
-        if e["kind"] == events.FIRST_ROLLOUT and e["job"] == "rollout" and e["host"] == socket.gethostname()
-    ]
+    records = appendlog.read_after(store, layout.EVENTS, {})
+    firsts = [r.body for r in records if r.writer == "w-sigterm-events" and r.body["kind"] == events.FIRST_ROLLOUT]
     pairs = [(e["version"], e["replica"]) for e in firsts]
-    first_at: dict[tuple[int, str], float] = {}
+    groups_at: dict[tuple[int, str], set[float]] = {}
     for shard in worker_shards(store):
         for g in shard.groups:
             for s in g.samples:
-                first_at[(g.adapter_version, s.replica)] = min(
-                    g.generated_at, first_at.get((g.adapter_version, s.replica), g.generated_at)
-                )
-    assert len(pairs) == len(set(pairs)) and set(first_at) <= set(pairs), (pairs, first_at)
-    assert all(r.startswith("test-replica-") for _, r in pairs), pairs
-    for e in firsts:  # the event is the first group of its (version, replica): no earlier one in the shards
-        assert e["generated_at"] <= first_at.get((e["version"], e["replica"]), e["generated_at"])
+                groups_at.setdefault((g.adapter_version, s.replica), set()).add(g.generated_at)
+    assert len(pairs) == len(set(pairs)) and set(pairs) == set(groups_at), (pairs, sorted(groups_at))
+    assert all(r.startswith("test-replica-") and e["host"] == socket.gethostname() for e, (_, r) in zip(firsts, pairs))
+    for e in firsts:  # the event carries the generated_at of one of that pair's groups (the timeline takes the min)
+        assert e["generated_at"] in groups_at[(e["version"], e["replica"])]
 
 
 def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_data(vllm_replicas, model_dir, tmp_path):
@@ -140,8 +135,14 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
         assert written - 2 <= sum(cursor.positions.values()) <= written
         expected = PromptSampler(load_data("arithmetic", "", 0), "w-sigterm", 0, cursor=cursor)
         upcoming = {expected.next()[1]["prompt_id"] for _ in range(2)}
+        # restarted with each group as one request of n = num_generations (generation_shape n_group)
         restart = subprocess.run(
-            worker_argv(store.url, port, "--rollout.max-groups", "2", "--rollout.groups-per-shard", "2"),
+            worker_argv(
+                store.url,
+                port,
+                *("--rollout.max-groups", "2", "--rollout.groups-per-shard", "2"),
+                *("--rollout.generation-shape", "n_group"),
+            ),
             env=env,
             cwd=REPO_ROOT,
             capture_output=True,
@@ -151,6 +152,10 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
         assert restart.returncode == 0, restart.stderr[-3000:]
         after = worker_shards(store)
         assert {g.prompt_id for g in after[-1].groups} == upcoming
+        for g in after[-1].groups:  # one answer with G choices: G samples, each with its own tokens and logprobs
+            assert len(g.samples) == manifest.num_generations
+            assert all(len(x.logprobs) == len(x.completion_ids) > 0 for x in g.samples)
+            assert len({x.replica for x in g.samples}) == 1
     finally:
         if worker is not None:
             stop(worker)
