@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -19,6 +21,11 @@ class RolloutConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1.0 = off).")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
     max_inflight_groups: int = Field(4, ge=1, description="Prompt groups being generated at once.")
+    generation_shape: Literal["n_1", "n_group"] = Field(
+        "n_1",
+        description="A group as num_generations requests with n=1 (each retried alone, spread by the proxy's "
+        "per-replica limits) or as one request with n=num_generations (benchmarks/rollout.py measures both).",
+    )
     max_unconsumed_groups: int = Field(
         4,
         ge=0,

@@ -2,8 +2,10 @@
 
 No tokenizer lives here: prompts are tokenised by the replicas' own tokenizer
 (`/tokenize`), so the prompt ids the trainer sees are exactly what vLLM
-generated from. Completions are asked for one at a time (`n=1`); the proxy
-keeps a group's siblings on one replica (they share its prompt's KV cache).
+generated from. A group's completions are asked for one at a time (`n=1`,
+the default) or in one request (`n=G`, `generation_shape = "n_group"`); the
+proxy keeps a group's siblings on one replica either way (they share its
+prompt's KV cache).
 
 A request that fails for a reason that can pass (the proxy could not reach a
 replica, a replica died mid-answer, a timeout) is sent again, with back-off,
@@ -36,10 +38,16 @@ class GenerationFailed(RuntimeError):
 
 class Generator:
     def __init__(
-        self, client: httpx.AsyncClient, base_model: str, sampling: SamplingParams, max_completion_length: int
+        self,
+        client: httpx.AsyncClient,
+        base_model: str,
+        sampling: SamplingParams,
+        max_completion_length: int,
+        shape: str = "n_1",
     ):
         self.client, self.base_model, self.sampling = client, base_model, sampling
         self.max_completion_length = max_completion_length
+        self.shape = shape  # "n_1": one request per completion; "n_group": one request for the group
         self.token_cache: dict[str, list[int]] = {}  # the dataset is cycled: each prompt is tokenised once
         self.retries: collections.Counter[str] = collections.Counter()  # requests sent again, by reason (metrics)
 
@@ -60,6 +68,12 @@ class Generator:
 
     async def completions(self, model: str, ids: list[int], n: int) -> list[Sample]:
         """`n` completions; each is retried on its own, and a group fails only after every sibling has ended."""
+        if self.shape == "n_group":
+            resp = await self._post("/v1/completions", self._body(model, ids, n))
+            samples = [self._sample(resp, choice) for choice in sorted(resp.json()["choices"], key=_index)]
+            if len(samples) != n:
+                raise GenerationFailed(f"asked for {n} completions in one request, got {len(samples)}")
+            return samples
         results = await asyncio.gather(*(self.one_completion(model, ids) for _ in range(n)), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -68,7 +82,11 @@ class Generator:
 
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
         """One sampled completion with vLLM's logprob of each token (the trainer's importance-ratio denominator)."""
-        body = {
+        resp = await self._post("/v1/completions", self._body(model, ids, 1))
+        return self._sample(resp, resp.json()["choices"][0])
+
+    def _body(self, model: str, ids: list[int], n: int) -> dict[str, Any]:
+        return {
             "model": model,
             "prompt": ids,
             "max_tokens": self.max_completion_length,
@@ -77,9 +95,8 @@ class Generator:
             "top_k": self.sampling.top_k,
             "logprobs": 0,
             "return_token_ids": True,
-            "n": 1,
+            "n": n,
         }
-        return self._sample(await self._post("/v1/completions", body))
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """POST through the proxy; a 5xx or no answer is sent again with back-off, a 4xx fails at once."""
@@ -105,8 +122,7 @@ class Generator:
             delay = min(2 * delay, RETRY_MAX_S)
         raise GenerationFailed(f"{path} failed after {MAX_ATTEMPTS} attempts (last: {problem})")
 
-    def _sample(self, resp: httpx.Response) -> Sample:
-        choice = resp.json()["choices"][0]
+    def _sample(self, resp: httpx.Response, choice: dict[str, Any]) -> Sample:
         token_ids = choice.get("token_ids")
         logprobs = choice["logprobs"]["token_logprobs"]
         if token_ids is None:
@@ -121,3 +137,7 @@ class Generator:
             finish_reason=choice.get("finish_reason"),
             replica=resp.headers.get("x-brigade-replica", ""),
         )
+
+
+def _index(choice: dict[str, Any]) -> int:
+    return int(choice.get("index", 0))
