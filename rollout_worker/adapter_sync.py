@@ -61,14 +61,15 @@ class AdapterSync:
         finally:
             self.inflight[version] -= 1
 
-    async def sync(self) -> None:
+    async def sync(self, wait: bool = False) -> None:
         """Load the newest committed version if it is new, then unload what left the staleness window.
 
-        Also starts the watcher the first time; when the watcher is already loading, returns at once
-        (the caller, the main loop, must not wait for a fan-out)."""
+        Also starts the watcher the first time; when the watcher is already loading, returns at once (the
+        main loop must not wait for a fan-out), unless `wait`: then after that load, the newest is loaded too
+        (the end of a run: the final version must be the one evaluated)."""
         if self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="adapter-watch")
-        if self._lock.locked():
+        if self._lock.locked() and not wait:
             return
         latest = await asyncio.to_thread(adapters.latest_version, self.store)
         await self._exchange(latest, force=True)

@@ -235,7 +235,7 @@ class Worker:
             return
         for task in self.tasks:  # the trainer is done: rollouts still in flight would only slow the evaluation
             task.cancel()
-        await self.adapters.sync()
+        await self.adapters.sync(wait=True)
         if self.eval_task is not None:
             await self.eval_task
         if self.adapters.version not in self.evaluated:
