@@ -25,6 +25,8 @@ import contextlib
 import json
 import math
 import os
+import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -99,15 +101,36 @@ def bucket_for(kind: str, tmp: str) -> Iterator[str]:
                 os.environ[k] = v
 
 
+def listen_ports(n: int) -> int:
+    """The first of `n` consecutive ports free now, below the kernel's ephemeral range: an ephemeral port
+    can be taken by any outgoing connection (S3 traffic is plenty) before a replica binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(200):
+        base = random.randrange(max(1024, low - 12000), low - 1100)  # a sidecar's /metrics is port + 1000
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    return free_port()
+
+
 def run_one(kind: str, versions: int, overrides: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"brigade-sync-{kind}-") as tmp, bucket_for(kind, tmp) as url:
-        proxy_port = free_port()
+        proxy_port, base_port = listen_ports(1), listen_ports(2)
         config = load(
             overrides={
                 "bucket.url": url,
                 "local.runs_dir": tmp,
                 "local.num_replicas": 2,
-                "local.base_port": free_port(),
+                "local.base_port": base_port,
                 "proxy.port": proxy_port,
                 "rollout.proxy_url": f"http://127.0.0.1:{proxy_port}",
                 "trainer.max_steps": versions - 1,  # v1 is the untrained adapter, then one version per step
@@ -138,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"benchmark": "sync_latency", "versions": args.versions, "replicas": 2}
     for kind in kinds:
         result[kind] = run_one(kind, args.versions, overrides)
+        print(f"sync_latency {kind}: {json.dumps(result[kind])}", flush=True)  # kept should a later run fail
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0 if all(result[k]["ok"] for k in kinds) else 1
 

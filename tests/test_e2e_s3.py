@@ -14,6 +14,8 @@ session-wide replicas start (only one set of vLLM servers at a time on a
 from __future__ import annotations
 
 import collections
+import random
+import socket
 import subprocess
 import sys
 
@@ -28,13 +30,34 @@ from infra.summary import summarize
 STEPS, SYNC, GROUPS_PER_STEP = 4, 1, 2
 
 
-@pytest.fixture(scope="session")
-def s3_run(s3_endpoint, tmp_path_factory, model_dir):
-    """One real `brigade local` run against an s3:// bucket; yields (the CompletedProcess, its Store)."""
-    bucket = new_s3_bucket(s3_endpoint)
-    run_dir = tmp_path_factory.mktemp("s3run")
-    proxy_port = free_port()
-    cmd = [
+def listen_ports(n: int) -> int:
+    """The first of `n` consecutive ports free now, below the kernel's ephemeral range.
+
+    Ephemeral ports (free_port) are also what every outgoing connection takes: with s3fs or moto busy,
+    one of them can sit on base + 1 by the time replica 1's vLLM binds it a minute later.
+    """
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(200):
+        base = random.randrange(max(1024, low - 12000), low - 1100)  # the sidecar's /metrics is port + 1000
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    return free_port()
+
+
+def local_run_cmd(bucket: str, runs_dir: str, model_dir: str) -> list[str]:
+    """`brigade local` for a short run on `bucket` (also used by tests/test_e2e_mount.py)."""
+    proxy_port, base_port = listen_ports(1), listen_ports(2)
+    return [
         sys.executable,
         "-m",
         "infra.cli",
@@ -42,7 +65,7 @@ def s3_run(s3_endpoint, tmp_path_factory, model_dir):
         "--bucket",
         bucket,
         "--local.runs-dir",
-        str(run_dir),
+        runs_dir,
         "--trainer.model-path",
         model_dir,
         "--replica.model-path",
@@ -70,55 +93,14 @@ def s3_run(s3_endpoint, tmp_path_factory, model_dir):
         "--rollout.proxy-url",
         f"http://127.0.0.1:{proxy_port}",
         "--local.base-port",
-        str(free_port()),
+        str(base_port),
         "--local.max-wall-s",
         "600",
     ]
-    # The endpoint and credentials reach every job through the environment (set by s3_endpoint).
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    return proc, Store(bucket)
 
 
-def test_s3_run_succeeds(s3_run):
-    proc, store = s3_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert f"bucket {store.url}" in proc.stdout
-    assert "trained samples/s" in proc.stdout
-
-
-def test_versions_published_and_loaded_on_every_replica_through_the_mirror(s3_run):
-    _, store = s3_run
-    committed = adapters.committed_versions(store)
-    assert committed == list(range(1, 2 + STEPS // SYNC)), committed  # v1 (untrained) + one per sync
-    evs = events.read_all(store)
-    started = [e for e in evs if e["kind"] == events.REPLICA_STARTED]
-    assert len(started) == 2
-    # vLLM loads local paths only: each replica serves adapters from its own mirror, not the bucket
-    assert all(not e["adapter_root"].startswith(store.root) for e in started)
-    mirrored = collections.defaultdict(set)
-    for e in evs:
-        if e["kind"] == events.ADAPTER_MIRRORED:
-            mirrored[e["replica"]].add(e["version"])
-    loaded = collections.defaultdict(set)
-    for e in evs:
-        if e["kind"] == events.LOADED:
-            loaded[e["version"]].add(e["replica"])
-    replica_ids = {e["replica"] for e in started}
-    on_all = {v for v, rs in loaded.items() if rs == replica_ids}
-    # Only committed versions are ever loaded, each one first mirrored onto the replica that loaded it.
-    assert set(loaded) <= set(committed), (loaded, committed)
-    for v, rs in loaded.items():
-        assert all(v in mirrored[r] for r in rs), (v, rs, dict(mirrored))
-    # Every version but the last (published as the run ends) is loaded on both replicas, unless the
-    # rollout worker jumped past it (two versions between polls); most versions are.
-    assert len(on_all) >= STEPS // SYNC - 1, dict(loaded)
-    summary = summarize(store)
-    both = [v for v in summary["versions"] if len(v["replicas_loaded"]) == 2]
-    assert all(v["commit_to_all_loaded_s"] is not None and v["commit_to_all_loaded_s"] >= 0 for v in both)
-
-
-def test_rollouts_trained_exactly_once_along_the_checkpoint_lineage(s3_run):
-    _, store = s3_run
+def check_exactly_once(store: Store) -> None:
+    """Every group read is trained, skipped, dropped or pending exactly once along the checkpoint lineage."""
     lineage = checkpoints.lineage(store)
     assert [st.version for st in lineage] == adapters.committed_versions(store)
     trained = [g for st in lineage for g in st.trained]
@@ -138,6 +120,64 @@ def test_rollouts_trained_exactly_once_along_the_checkpoint_lineage(s3_run):
     for parent, child in zip(lineage, lineage[1:]):
         for gid in child.trained:
             assert 0 <= parent.version - groups[gid].adapter_version <= max_staleness
+
+
+def loaded_on_every_replica(store: Store) -> tuple[dict[int, set[str]], set[str], list[dict]]:
+    """(version -> replicas the proxy loaded it on, the replica ids, their replica_started events)."""
+    evs = events.read_all(store)
+    started = [e for e in evs if e["kind"] == events.REPLICA_STARTED]
+    loaded: dict[int, set[str]] = collections.defaultdict(set)
+    for e in evs:
+        if e["kind"] == events.LOADED:
+            loaded[e["version"]].add(e["replica"])
+    return loaded, {e["replica"] for e in started}, started
+
+
+@pytest.fixture(scope="session")
+def s3_run(s3_endpoint, tmp_path_factory, model_dir):
+    """One real `brigade local` run against an s3:// bucket; yields (the CompletedProcess, its Store)."""
+    bucket = new_s3_bucket(s3_endpoint)
+    cmd = local_run_cmd(bucket, str(tmp_path_factory.mktemp("s3run")), model_dir)
+    # The endpoint and credentials reach every job through the environment (set by s3_endpoint).
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    return proc, Store(bucket)
+
+
+def test_s3_run_succeeds(s3_run):
+    proc, store = s3_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert f"bucket {store.url}" in proc.stdout
+    assert "trained samples/s" in proc.stdout
+
+
+def test_versions_published_and_loaded_on_every_replica_through_the_mirror(s3_run):
+    _, store = s3_run
+    committed = adapters.committed_versions(store)
+    assert committed == list(range(1, 2 + STEPS // SYNC)), committed  # v1 (untrained) + one per sync
+    loaded, replica_ids, started = loaded_on_every_replica(store)
+    assert len(started) == 2
+    # vLLM loads local paths only: each replica serves adapters from its own mirror, not the bucket
+    assert all(not e["adapter_root"].startswith(store.root) for e in started)
+    mirrored = collections.defaultdict(set)
+    for e in events.read_all(store):
+        if e["kind"] == events.ADAPTER_MIRRORED:
+            mirrored[e["replica"]].add(e["version"])
+    # Only committed versions are ever loaded, each one first mirrored onto the replica that loaded it.
+    assert set(loaded) <= set(committed), (loaded, committed)
+    for v, rs in loaded.items():
+        assert all(v in mirrored[r] for r in rs), (v, rs, dict(mirrored))
+    # Every version but the last (published as the run ends) is loaded on both replicas, unless the
+    # rollout worker jumped past it (two versions between polls); most versions are.
+    on_all = {v for v, rs in loaded.items() if rs == replica_ids}
+    assert len(on_all) >= STEPS // SYNC - 1, dict(loaded)
+    summary = summarize(store)
+    both = [v for v in summary["versions"] if len(v["replicas_loaded"]) == 2]
+    assert all(v["commit_to_all_loaded_s"] is not None and v["commit_to_all_loaded_s"] >= 0 for v in both)
+
+
+def test_rollouts_trained_exactly_once_along_the_checkpoint_lineage(s3_run):
+    _, store = s3_run
+    check_exactly_once(store)
 
 
 def test_loopback_s3_server_of_brigade_local(tmp_path, monkeypatch):
