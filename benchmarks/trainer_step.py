@@ -180,6 +180,21 @@ def flops(groups, n_params: int, hidden: int, layers: int) -> tuple[int, float]:
     return tokens, 4 * n_params * tokens + 3 * attention_fwd
 
 
+def fsdp2_shard(model) -> None:
+    """FSDP2 on the decoder layers (their base weights and LoRA sharded over the ranks, gathered per layer for the
+    forward and again for the backward); the tied embedding / LM head stays whole on every rank, since the chunked
+    log-softmax reads its weight outside any module's forward. Parameters are gathered in bf16 (FSDP2 gathers one
+    dtype per layer) and gradients reduced in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    inner = model.get_base_model().base_model
+    for layer in inner.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(inner, mp_policy=mp, ignored_params={inner.embed_tokens.weight})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
@@ -200,13 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed packed steps (after two warm-ups on GPU, one on CPU)")
     p.add_argument("--reference-steps", type=int, default=2, help="timed reference steps (after one warm-up); 0 = skip")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (implies --static)")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile each decoder layer (rows padded to packing.row_quantum)"
+    )
     p.add_argument("--static", action="store_true", help="pad every micro-batch to the token budget (one shape)")
+    p.add_argument(
+        "--dp",
+        default="ddp",
+        choices=["ddp", "fsdp2"],
+        help="under torchrun: the trainer's data parallelism (replicas, LoRA gradients all-reduced) or FSDP2 "
+        "(decoder layers sharded)",
+    )
     p.add_argument("--profile", default="", help="write a torch.profiler table of one packed step to this file")
     args = p.parse_args(argv)
     gpu = args.device.startswith("cuda")
     args.groups = args.groups or (16 if gpu else 4)
-    args.static = args.static or args.compile
     budget = args.token_budget or (16384 if gpu else 1024)
 
     import torch
@@ -214,14 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from bucket.manifest import RunSpec
+    from trainer.distributed import DataParallel
     from trainer.grpo import LossConfig, accumulate, advantages, completions
     from trainer.model import compile_layers, resolve_dtype, wrap_lora
-    from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, pack
+    from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, build, row_quantum, row_tokens, rows
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    device = torch.device(args.device)
+    dp = DataParallel(cpu=not gpu)  # world size 1 unless started by torchrun / accelerate launch
+    device = dp.device if dp.world > 1 else torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     family, shape = SHAPES[args.shape]
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
@@ -230,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     base.set_attn_implementation(PACKED_ATTENTION)
     n_params = sum(q.numel() for q in base.parameters())
     model = wrap_lora(base, RunSpec()).to(device).train()
+    if dp.world > 1 and args.dp == "fsdp2":
+        fsdp2_shard(model)
     if args.compile:
         compile_layers(model)
+    if args.compile or dp.world > 1:
         args.reference_steps = 0
+    pad = budget if args.static else row_quantum(budget) if args.compile else FLEX_BLOCK if gpu else 1
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     groups = make_groups(args, shape["vocab_size"])
@@ -244,17 +273,25 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     def packed_step() -> float:
+        """The trainer's step (trainer/trainer.py train_step): rows planned on the host, each built as needed."""
         sync()
+        dp.barrier()
         t0 = time.perf_counter()
         advs, _ = advantages(groups, loss_cfg.scale_rewards)
-        micro = pack(completions(groups, advs, loss_cfg), budget, FLEX_BLOCK if gpu else 1, static=args.static)
+        planned = rows(completions(groups, advs, loss_cfg), budget)
         opt.zero_grad(set_to_none=True)
-        sums = accumulate(model, [mb.to(device) for mb in micro], loss_cfg)
+        mine = dp.share(planned, row_tokens)
+        if args.dp == "fsdp2" and dp.world > 1:
+            # FSDP2's gathers are collectives: every rank must run as many forwards (true of this data)
+            assert len(planned) % dp.world == 0, "fsdp2 here needs a row count divisible by the world size"
+        sums = dp.sum(accumulate(model, (build(units, pad).to(device) for units in mine), loss_cfg))
+        if args.dp == "ddp":
+            dp.sum_gradients(params)
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        torch.cat([sums, norm.reshape(1)]).tolist()  # the step's one read-back, as in the trainer
+        torch.cat([sums, norm.full_tensor().reshape(1) if hasattr(norm, "full_tensor") else norm.reshape(1)]).tolist()
         sync()
-        packed_step.micro_batches = len(micro)
+        packed_step.micro_batches = len(planned)
         return time.perf_counter() - t0
 
     def reference_step() -> float:
@@ -314,16 +351,21 @@ def main(argv: list[str] | None = None) -> int:
         "step_s": step_s,
         "step_s_min": min(times),
         "tok_s": tokens / step_s,
-        "mfu": step_flops / (step_s * PEAK_FLOPS) if gpu else None,
+        "mfu": step_flops / (step_s * PEAK_FLOPS * dp.world) if gpu else None,  # per GPU
         "peak_gb": peak_gb,
         "reference_step_s": ref_s,
         "reference_mfu": step_flops / (ref_s * PEAK_FLOPS) if gpu and ref_s else None,
         "speedup_vs_unpacked": ref_s / step_s if ref_s else None,
         "compile": args.compile,
         "static": args.static,
+        "row_pad": pad,
+        "world_size": dp.world,
+        "dp": args.dp if dp.world > 1 else None,
         "threads": torch.get_num_threads(),
     }
-    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    if dp.is_main:
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    dp.barrier()
     return 0
 
 
