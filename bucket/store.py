@@ -86,7 +86,7 @@ class Store:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = url.rstrip("/") or url
-        options = {**_s3_options(url), **(storage_options or {})}
+        options = self._options = {**_s3_options(url), **(storage_options or {})}
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError) as exc:
@@ -125,7 +125,7 @@ class Store:
                         )
                     os.makedirs(self.root, exist_ok=True)
                 return
-            self.fs.ls(self.root, detail=False)
+            self._probe_fs().ls(self.root, detail=False)
         except BucketError:
             raise
         except FileNotFoundError as exc:
@@ -137,6 +137,20 @@ class Store:
                 f"bucket {self.url} is unreachable ({type(exc).__name__}: {exc}). Check the URL, the endpoint "
                 "(BRIGADE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL) and the credentials."
             ) from exc
+
+    def _probe_fs(self) -> Any:
+        """The filesystem for the start-up check: on S3 one retry, not the ten (times s3fs's own five) that
+        ride out a flaky endpoint during the run, so a wrong endpoint is reported in seconds, not minutes."""
+        if not self.url.startswith("s3://") or os.environ.get("AWS_MAX_ATTEMPTS"):
+            return self.fs
+        options = dict(self._options)
+        config = dict(options.get("config_kwargs") or {})
+        retries = dict(config.get("retries") or {})
+        retries["max_attempts"] = min(2, int(retries.get("max_attempts", 2)))
+        options["config_kwargs"] = {**config, "retries": retries}
+        fs, _ = fsspec.core.url_to_fs(self.url, **options)
+        fs.retries = 1  # s3fs retries connection errors itself too
+        return fs
 
     # -- reads -------------------------------------------------------------
     def get_bytes(self, key: str) -> bytes:
