@@ -1,6 +1,7 @@
 """Where every object lives in the bucket, and who writes it.
 
 run.json                                   written once (first trainer or `brigade init`); read by every job
+adapters/v000001/CLAIM.json                trainer, FIRST, created exclusively: the version name is taken
 adapters/v000001/adapter_model.safetensors trainer; read by replicas (or their mirror)
 adapters/v000001/adapter_config.json       trainer
 adapters/v000001/COMMITTED.json            trainer, LAST: checksums of the files above
@@ -8,7 +9,7 @@ adapters/LATEST.json                       trainer, after COMMITTED: {"version":
 rollouts/<worker>/<part>/<seq>.json        rollout worker; read once by the trainer
 events/<writer>/<part>/<seq>.json          every job: timestamped events
 replicas/<replica_id>.json                 replica sidecar (heartbeat rewrites it); read by the proxy
-trainer/checkpoints/v000001/...            trainer: optimizer state + what it consumed
+trainer/checkpoints/v000001/...            trainer, before the adapter's COMMITTED: optimizer state + what it consumed
 trainer/LATEST.json                        trainer, after the checkpoint
 trainer/progress.json                      trainer, every step: its cursors (rollout workers' backpressure)
 trainer/DONE.json                          trainer, when it reached max_steps
