@@ -2,10 +2,10 @@
 
 No tokenizer lives here: prompts are tokenised by the replicas' own tokenizer
 (`/tokenize`), so the prompt ids the trainer sees are exactly what vLLM
-generated from. A group's completions are asked for one at a time (`n=1`,
-the default) or in one request (`n=G`, `generation_shape = "n_group"`); the
-proxy keeps a group's siblings on one replica either way (they share its
-prompt's KV cache).
+generated from. A group's completions are asked for in one request (`n=G`,
+`generation_shape = "n_group"`, the default: one prefill and one answer) or
+one at a time (`n=1`); the proxy keeps a group's siblings on one replica
+either way (they share its prompt's KV cache).
 
 A request that fails for a reason that can pass (the proxy could not reach a
 replica, a replica died mid-answer, a timeout) is sent again, with back-off,

@@ -135,13 +135,13 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
         assert written - 2 <= sum(cursor.positions.values()) <= written
         expected = PromptSampler(load_data("arithmetic", "", 0), "w-sigterm", 0, cursor=cursor)
         upcoming = {expected.next()[1]["prompt_id"] for _ in range(2)}
-        # restarted with each group as one request of n = num_generations (generation_shape n_group)
+        # restarted with each group as num_generations requests of n = 1 (the other generation_shape)
         restart = subprocess.run(
             worker_argv(
                 store.url,
                 port,
                 *("--rollout.max-groups", "2", "--rollout.groups-per-shard", "2"),
-                *("--rollout.generation-shape", "n_group"),
+                *("--rollout.generation-shape", "n_1"),
             ),
             env=env,
             cwd=REPO_ROOT,
@@ -152,7 +152,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
         assert restart.returncode == 0, restart.stderr[-3000:]
         after = worker_shards(store)
         assert {g.prompt_id for g in after[-1].groups} == upcoming
-        for g in after[-1].groups:  # one answer with G choices: G samples, each with its own tokens and logprobs
+        for g in after[-1].groups:  # G answers of one sample each: still one group, on one replica
             assert len(g.samples) == manifest.num_generations
             assert all(len(x.logprobs) == len(x.completion_ids) > 0 for x in g.samples)
             assert len({x.replica for x in g.samples}) == 1
