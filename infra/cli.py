@@ -31,6 +31,7 @@ OWN_PARSER: dict[str, str] = {
     "dashboard": "infra.dashboard",
     "eval": "infra.eval",
     "export": "infra.export",
+    "track": "infra.tracking",
 }
 ENTRY_POINTS: dict[str, str] = {**JOBS, **OWN_PARSER}
 
