@@ -69,6 +69,59 @@ def test_two_ranks_sum_to_the_single_process_gradient(tmp_path):
             torch.testing.assert_close(rank[k], g, rtol=1e-5, atol=1e-8)
 
 
+def test_torchrun_launches_the_training_loop(tmp_path, model_dir):
+    """`python -m trainer` under torch's launcher, 2 gloo ranks on the real model: rank 0 reads the bucket and
+    publishes, both ranks train, and the ledger counts every group once."""
+    from bucket import adapters, checkpoints, events
+    from bucket.manifest import RunSpec, init_or_check
+    from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
+    from bucket.store import Store
+
+    store = Store(str(tmp_path / "bucket"))
+    store.check_reachable(create=True)
+    init_or_check(store, RunSpec(num_generations=4, max_staleness=2), "test")
+    rng = random.Random(7)
+    writer = ShardWriter(store, "w0")
+    for shard in range(2):
+        groups = []
+        for k in range(2):
+            lengths = [rng.randint(2, 9) for _ in range(4)]
+            samples = [
+                Sample(
+                    completion_ids=[rng.randrange(100, 4000) for _ in range(n)],
+                    logprobs=[-3.0] * n,
+                    text="",
+                    reward=float(j % 2),
+                )
+                for j, n in enumerate(lengths)
+            ]
+            groups.append(
+                ScoredGroup(
+                    prompt_id=f"p{shard}{k}",
+                    prompt="x",
+                    prompt_ids=[rng.randrange(100, 4000) for _ in range(rng.randint(4, 12))],
+                    adapter_version=0,
+                    sampling=SamplingParams(temperature=1.0),
+                    samples=samples,
+                )
+            )
+        writer.write(groups)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["-m", "trainer", "--bucket", store.url, "--trainer.model-path", model_dir, "--trainer.device", "cpu"]
+    cmd += ["--run.num-generations", "4", "--run.max-staleness", "2", "--trainer.max-steps", "2"]
+    cmd += ["--trainer.groups-per-step", "2", "--trainer.token-budget", "32", "--trainer.torch-threads", "1"]
+    cmd += ["--trainer.metrics", "false", "--trainer.rollout-wait-s", "30"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert adapters.committed_versions(store) == [1, 2, 3]  # the untrained adapter, then one per step
+    steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
+    assert [e["step"] for e in steps] == [1, 2]  # rank 0 alone writes events
+    assert all(e["perf/micro_batches"] >= 2 for e in steps)  # rows for both ranks
+    trained = [g for s in checkpoints.lineage(store) for g in s.trained]
+    assert len(trained) == len(set(trained)) == 4
+
+
 if __name__ == "__main__":
     from safetensors.torch import save_file
 
