@@ -72,12 +72,19 @@ class ProxyConfig(BaseModel):
     snapshot_s: float = Field(
         5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
     )
+    canary_positions: int = Field(
+        16,
+        ge=1,
+        description="Served-policy probe: canary positions asked for, those where the version departs most from "
+        "the base (each is one prompt's prefill on the replica).",
+    )
     canary_min_gap: float = Field(
         0.03,
         ge=0,
         description="Served-policy probe: a version whose canary logprobs are at least this far from the base "
-        "(mean per token) must be served with at least half of its shift from the base; closer versions cannot be "
-        "told from the base through the kernels' noise (~0.02 per token between vLLM's bf16 and the trainer's fp32).",
+        "(mean per probed token) must be served with at least half of its shift from the base; closer versions "
+        "cannot be told from the base through the kernels' noise (~0.02 per token between vLLM's bf16 and the "
+        "trainer's fp32).",
     )
     canary_tolerance: float = Field(
         0.25,

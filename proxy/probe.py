@@ -55,14 +55,14 @@ def _compare(got: list[float], adapter: list[float], base: list[float]) -> dict[
     }
 
 
-def _next_token_logprobs(resp: httpx.Response, completion: list[int]) -> list[float | None]:
-    """Per canary position j, the replica's logprob of completion[j] (None where its answer lacks it)."""
-    out: list[float | None] = [None] * len(completion)
+def _next_token_logprobs(resp: httpx.Response, expected: list[int]) -> list[float | None]:
+    """Per prompt i of the probe, the replica's logprob of its next token expected[i] (None where it lacks it)."""
+    out: list[float | None] = [None] * len(expected)
     try:
         for choice in resp.json()["choices"]:
             j = int(choice["index"])
             top = choice["logprobs"]["top_logprobs"][0] or {}
-            value = top.get(f"token_id:{completion[j]}")
+            value = top.get(f"token_id:{expected[j]}")
             out[j] = float(value) if value is not None else None
     except (ValueError, KeyError, IndexError, TypeError):
         pass
@@ -90,9 +90,14 @@ class CanaryProbe:
         # and they share their prefix, so a prefix-caching replica computes little more than the last tokens.
         ids = canary.prompt_ids + canary.completion_ids
         n = len(canary.prompt_ids)
+        # The positions where the version departs most from the base tell it from the base best; a few of them
+        # keep the probe's prefill small (on a CPU replica every probed position costs a prompt's prefill).
+        gap = [abs(a - b) for a, b in zip(canary.adapter_logprobs, canary.base_logprobs)]
+        width = self.state.config.canary_positions
+        positions = sorted(sorted(range(len(gap)), key=lambda j: -gap[j])[:width])
         body = {
             "model": ad.lora_name,
-            "prompt": [ids[: n + j] for j in range(len(canary.completion_ids))],
+            "prompt": [ids[: n + j] for j in positions],
             "max_tokens": 1,
             "temperature": 0.0,
             "logprobs": PROBE_TOP_LOGPROBS,  # a vLLM without logprob_token_ids: the token is usually in the top k
@@ -107,15 +112,15 @@ class CanaryProbe:
             return ProbeVerdict(
                 False, "no_answer", reason=f"canary HTTP {resp.status_code}: {error_message(resp.text)}"
             )
-        got = _next_token_logprobs(resp, canary.completion_ids)
-        keep = [j for j, x in enumerate(got) if x is not None]
-        if len(keep) < max(1, len(got) // 2):
+        answers = _next_token_logprobs(resp, [canary.completion_ids[j] for j in positions])
+        got = {j: x for j, x in zip(positions, answers) if x is not None}
+        if len(got) < max(1, len(positions) // 2):
             return ProbeVerdict(False, "no_answer", reason="the canary answer lacks the logprobs of its tokens")
         cfg = self.state.config
         v = _compare(
-            [got[j] for j in keep],  # type: ignore[misc]
-            [canary.adapter_logprobs[j] for j in keep],
-            [canary.base_logprobs[j] for j in keep],
+            list(got.values()),
+            [canary.adapter_logprobs[j] for j in got],
+            [canary.base_logprobs[j] for j in got],
         )
         numbers = {k: round(x, 4) for k, x in v.items()}
         if v["gap"] >= cfg.canary_min_gap and v["shift"] < 0.5:
