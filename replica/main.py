@@ -26,12 +26,15 @@ import tempfile
 import threading
 import time
 
+import httpx
+
 from bucket import events, layout, replicas, tokenizer_id
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.replicas import ReplicaInfo
 from bucket.settings import BucketConfig, open_bucket
 from bucket.store import Store
+from replica import warmup
 from replica.config import ReplicaConfig
 from replica.metrics import ReplicaMetrics
 from replica.mirror import AdapterMirror
@@ -163,6 +166,22 @@ class Replica:
                 log.warning("adapter mirror: %s", exc)
                 self.metrics.mirror_failures.inc()
 
+    def _warm_up(self, manifest: RunManifest) -> float | None:
+        """The first LoRA load and use, paid before registering (replica/warmup.py); None if it failed."""
+        assert self.server is not None
+        key = os.environ.get(self.rc.api_key_env, "") if self.rc.api_key_env else ""
+        with tempfile.TemporaryDirectory(prefix="brigade-warmup-") as tmp:
+            try:
+                warmup.zero_adapter(self.rc.model_path, manifest.lora_rank, manifest.lora_alpha, tmp)
+                seconds = warmup.warm_up(
+                    self.server.plan.base_url, tmp, {"Authorization": f"Bearer {key}"} if key else {}
+                )
+            except (OSError, KeyError, TypeError, RuntimeError, httpx.HTTPError) as exc:
+                log.warning("LoRA warm-up skipped (%s: %s): the first version loads slower", type(exc).__name__, exc)
+                return None
+        log.info("LoRA warm-up done in %.1fs", seconds)
+        return seconds
+
     def _start_thread(self, target, *args) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name=f"replica-{target.__name__}")
         t.start()
@@ -195,6 +214,7 @@ class Replica:
             startup_s = self.server.wait_healthy(self.rc.startup_timeout_s, should_stop=self.stop.is_set)
             if startup_s is None:
                 return 0  # SIGTERM/SIGINT while starting: a requested stop, not an error
+            warmup_s = self._warm_up(manifest)
             info = ReplicaInfo(
                 replica_id=self.rid,
                 url=advertise_url(self.rc),
@@ -212,6 +232,7 @@ class Replica:
                 events.REPLICA_STARTED,
                 url=info.url,
                 startup_s=round(startup_s, 1),
+                warmup_s=None if warmup_s is None else round(warmup_s, 2),
                 adapter_root=adapter_root,
                 metrics_url=self.metrics.url,
             )

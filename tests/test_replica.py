@@ -271,6 +271,12 @@ def test_replicas_register_and_heartbeat(vllm_replicas):
         assert r.kv_blocks == 2**30 // (23_040 * 32), r.kv_blocks
         assert r.adapter_root == store.local_path(layout.ADAPTERS)  # a local bucket needs no mirror
         assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
+    # each paid vLLM's first LoRA load and use before registering (replica/warmup.py), and left nothing loaded
+    started = {e["replica"]: e for e in events.read_all(store) if e["kind"] == events.REPLICA_STARTED}
+    for r in infos:
+        assert started[r.replica_id]["warmup_s"] > 0, started[r.replica_id]
+        models = httpx.get(f"{r.url}/v1/models", timeout=10).json()["data"]
+        assert not any(m["id"] == "brigade-warmup" for m in models), models
     first = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
     time.sleep(3.5)  # heartbeat_s is 1 in the fixture
     later = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
