@@ -68,11 +68,28 @@ class AdapterSync:
         main loop must not wait for a fan-out), unless `wait`: then after that load, the newest is loaded too
         (the end of a run: the final version must be the one evaluated)."""
         if self._watcher is None:
+            await self._adopt_loaded()
             self._watcher = asyncio.create_task(self._watch(), name="adapter-watch")
         if self._lock.locked() and not wait:
             return
         latest = await asyncio.to_thread(adapters.latest_version, self.store)
         await self._exchange(latest, force=True)
+
+    async def _adopt_loaded(self) -> None:
+        """Count as loaded the versions of this run the replicas already hold (a restarted worker's
+        predecessor loaded them), so they are unloaded once they leave the staleness window: otherwise they
+        would stay live for good, and every replica that joins would have to load all of them."""
+        try:
+            resp = await self.client.get("/v1/models")
+            names = [str(m.get("id", "")) for m in resp.json().get("data", [])] if resp.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.warning("could not list the adapters the replicas hold (%s: %s)", type(exc).__name__, exc)
+            return
+        prefix = f"{self.manifest.run_id}-"
+        held = {layout.parse_version_dir(n[len(prefix) :]) for n in names if n.startswith(prefix)}
+        self.loaded |= {v for v in held if v is not None}
+        if self.loaded:
+            log.info("replicas already hold versions %s of this run", sorted(self.loaded))
 
     async def stop(self) -> None:
         if self._watcher is not None:
