@@ -377,6 +377,8 @@ def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:
 
 
 def run(config: Config) -> int:
+    if config.local.s3_server and config.bucket.url and not config.bucket.url.startswith("s3://"):
+        raise ConfigError(f"--local.s3-server needs an s3:// bucket (or none), not {config.bucket.url!r}")
     run_dir = _run_dir(config)
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)

@@ -25,6 +25,7 @@ from conftest import REPO_ROOT, free_port, new_s3_bucket
 from bucket import Store, adapters, checkpoints, events
 from bucket.manifest import read_manifest
 from bucket.rollouts import read_shards
+from infra.cli import main as cli_main
 from infra.summary import summarize
 
 STEPS, SYNC, GROUPS_PER_STEP = 4, 1, 2
@@ -199,3 +200,7 @@ def test_loopback_s3_server_of_brigade_local(tmp_path, monkeypatch):
     finally:
         server.stop()
     assert server.proc.poll() is not None
+    # a folder bucket with --local.s3-server is refused before anything starts or is written
+    folder = tmp_path / "folder-bucket"
+    assert cli_main(["local", "--local.s3-server", "true", "--bucket", str(folder)]) == 2
+    assert not (tmp_path / "logs").exists() and not folder.exists()
