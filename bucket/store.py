@@ -245,14 +245,15 @@ class Store:
             if self._conditional is None:
                 probe = self.path(f"{TEMP_PREFIX}conditional-write-probe-{uuid.uuid4().hex}")
                 try:
-                    self.fs.pipe_file(probe, b"1", mode="create")
-                    try:
-                        self.fs.pipe_file(probe, b"2", mode="create")
-                        self._conditional = False  # the condition was ignored
-                    except FileExistsError:
-                        self._conditional = True
-                except FileExistsError:
-                    self._conditional = False  # a fresh name cannot exist: the store answers nonsense
+                    # The first create of a fresh name succeeds, or meets itself after a retry (its answer lost)
+                    if not self._conditional_put(probe, b"1"):
+                        self._conditional = False  # someone else's object under a fresh name: nonsense
+                    else:
+                        try:
+                            self.fs.pipe_file(probe, b"2", mode="create")
+                            self._conditional = False  # the condition was ignored
+                        except FileExistsError:
+                            self._conditional = True
                 except (OSError, NotImplementedError, TypeError, ValueError) as exc:
                     log.warning("%s rejects conditional writes (%s); exclusive creates are check-then-put", self, exc)
                     self._conditional = False

@@ -3,15 +3,12 @@ between an adapter's commit and its checkpoint pointer. Against a local folder a
 
 from __future__ import annotations
 
-import http.client
-import http.server
-import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
 
 import pytest
 from conftest import new_s3_bucket
+from flaky_s3 import FlakyS3
 
 from bucket import adapters, appendlog, checkpoints, layout
 from bucket.store import Store
@@ -108,63 +105,6 @@ def test_crash_between_commit_and_checkpoint_pointer_resumes_from_the_committed_
 
 
 # -- transient errors of the object store ---------------------------------------------------------------
-
-
-class FlakyS3:
-    """A loopback HTTP proxy in front of the S3 server that answers every `every`-th request (0: none) with a
-    503 (SlowDown) or a 500 (InternalError), alternately, without forwarding it; `drop_conditions` strips
-    If-None-Match from what it forwards."""
-
-    def __init__(self, upstream: str, every: int = 3, drop_conditions: bool = False):
-        target = urlsplit(upstream)
-        counter = itertools.count(1)
-        self.failed = 0
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _relay(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                n = next(counter)
-                if every and n % every == 0:
-                    outer.failed += 1
-                    code, err = (503, "SlowDown") if (n // every) % 2 else (500, "InternalError")
-                    payload = f"<Error><Code>{err}</Code><Message>injected</Message></Error>".encode()
-                    self.send_response(code)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-                dropped = {"host", "if-none-match"} if drop_conditions else {"host"}
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
-                headers["Host"] = target.netloc
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """`brigade local --bucket s3://...` end to end, for real: the object-store path of every job.
 
 One run per session against moto's S3 server on loopback (the `s3_endpoint`
-fixture), through s3fs like a cloud bucket: 2 vLLM replicas that get adapters
+fixture), through s3fs like a cloud bucket, with every 10th request of the
+run failing on its way (tests/flaky_s3.py: 503s, 500s, and answers lost after
+the request took effect), which every job must ride out: 2 vLLM replicas that get adapters
 through their mirror (vLLM loads local paths only), the proxy, a rollout
 worker and the trainer. Every check reads the bucket through the S3 API.
 
@@ -14,6 +16,7 @@ session-wide replicas start (only one set of vLLM servers at a time on a
 from __future__ import annotations
 
 import collections
+import os
 import random
 import socket
 import subprocess
@@ -21,6 +24,7 @@ import sys
 
 import pytest
 from conftest import REPO_ROOT, free_port, new_s3_bucket
+from flaky_s3 import FlakyS3
 
 from bucket import Store, adapters, checkpoints, events
 from bucket.manifest import read_manifest
@@ -134,25 +138,35 @@ def loaded_on_every_replica(store: Store) -> tuple[dict[int, set[str]], set[str]
     return loaded, {e["replica"] for e in started}, started
 
 
+FAULT_EVERY = 10  # every 10th S3 request of the run fails (errors, and answers lost after the fact)
+
+
 @pytest.fixture(scope="session")
 def s3_run(s3_endpoint, tmp_path_factory, model_dir):
-    """One real `brigade local` run against an s3:// bucket; yields (the CompletedProcess, its Store)."""
+    """One real `brigade local` run against an s3:// bucket, with transient S3 faults injected between every
+    job and the S3 server; yields (the CompletedProcess, its Store read without faults, faults injected)."""
     bucket = new_s3_bucket(s3_endpoint)
     cmd = local_run_cmd(bucket, str(tmp_path_factory.mktemp("s3run")), model_dir)
-    # The endpoint and credentials reach every job through the environment (set by s3_endpoint).
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    return proc, Store(bucket)
+    flaky = FlakyS3(s3_endpoint, every=FAULT_EVERY)
+    # Credentials reach every job through the environment (set by s3_endpoint); the endpoint is the faults'.
+    env = {**os.environ, "BRIGADE_S3_ENDPOINT_URL": flaky.endpoint}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=env)
+    finally:
+        flaky.close()
+    return proc, Store(bucket), flaky.failed
 
 
-def test_s3_run_succeeds(s3_run):
-    proc, store = s3_run
+def test_s3_run_succeeds_through_transient_s3_faults(s3_run):
+    proc, store, faults = s3_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert faults > 20, "the fault injector must have failed requests of every job"
     assert f"bucket {store.url}" in proc.stdout
     assert "trained samples/s" in proc.stdout
 
 
 def test_versions_published_and_loaded_on_every_replica_through_the_mirror(s3_run):
-    _, store = s3_run
+    _, store, _ = s3_run
     committed = adapters.committed_versions(store)
     assert committed == list(range(1, 2 + STEPS // SYNC)), committed  # v1 (untrained) + one per sync
     loaded, replica_ids, started = loaded_on_every_replica(store)
@@ -177,7 +191,7 @@ def test_versions_published_and_loaded_on_every_replica_through_the_mirror(s3_ru
 
 
 def test_rollouts_trained_exactly_once_along_the_checkpoint_lineage(s3_run):
-    _, store = s3_run
+    _, store, _ = s3_run
     check_exactly_once(store)
 
 
