@@ -227,6 +227,12 @@ def vllm_replicas(tmp_path_factory, model_dir):
 LOCAL_RUN_STEPS, LOCAL_RUN_SYNC, LOCAL_RUN_STALENESS = 6, 2, 2
 
 
+def brigade_local(bucket: str, model_dir: str, *flags: str) -> list[str]:
+    """The command line of `brigade local` on `bucket`, every job on the test model, then `flags`."""
+    head = [sys.executable, "-m", "infra.cli", "local", "--bucket", str(bucket)]
+    return [*head, "--trainer.model-path", model_dir, "--replica.model-path", model_dir, *flags]
+
+
 @pytest.fixture(scope="session")
 def local_run(tmp_path_factory, model_dir):
     """One real `brigade local` run per test session, shared by every test that reads a finished run's
@@ -234,16 +240,8 @@ def local_run(tmp_path_factory, model_dir):
     run_dir = tmp_path_factory.mktemp("local")
     bucket = run_dir / "bucket"
     proxy_port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "infra.cli",
-        "local",
-        "--bucket",
+    cmd = brigade_local(
         str(bucket),
-        "--trainer.model-path",
-        model_dir,
-        "--replica.model-path",
         model_dir,
         "--run.num-generations",
         "4",
@@ -275,7 +273,7 @@ def local_run(tmp_path_factory, model_dir):
         "16",
         "--local.max-wall-s",
         "900",
-    ]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     return proc, Store(str(bucket))
 

@@ -20,10 +20,9 @@ import os
 import random
 import socket
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO_ROOT, free_port, new_s3_bucket
+from conftest import REPO_ROOT, brigade_local, free_port, new_s3_bucket
 from flaky_s3 import FlakyS3
 
 from bucket import Store, adapters, checkpoints, events
@@ -62,19 +61,11 @@ def listen_ports(n: int) -> int:
 def local_run_cmd(bucket: str, runs_dir: str, model_dir: str) -> list[str]:
     """`brigade local` for a short run on `bucket` (also used by tests/test_e2e_mount.py)."""
     proxy_port, base_port = listen_ports(1), listen_ports(2)
-    return [
-        sys.executable,
-        "-m",
-        "infra.cli",
-        "local",
-        "--bucket",
+    return brigade_local(
         bucket,
+        model_dir,
         "--local.runs-dir",
         runs_dir,
-        "--trainer.model-path",
-        model_dir,
-        "--replica.model-path",
-        model_dir,
         "--run.num-generations",
         "4",
         "--run.max-staleness",
@@ -101,7 +92,7 @@ def local_run_cmd(bucket: str, runs_dir: str, model_dir: str) -> list[str]:
         str(base_port),
         "--local.max-wall-s",
         "600",
-    ]
+    )
 
 
 def check_exactly_once(store: Store) -> None:

@@ -15,12 +15,11 @@ import re
 import signal
 import struct
 import subprocess
-import sys
 import termios
 import threading
 import time
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, brigade_local, free_port
 
 from bucket import adapters
 from bucket.store import Store
@@ -91,16 +90,8 @@ class _Terminal:
 def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
     bucket = tmp_path / "bucket"
     proxy_port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "infra.cli",
-        "local",
-        "--bucket",
+    cmd = brigade_local(
         str(bucket),
-        "--trainer.model-path",
-        model_dir,
-        "--replica.model-path",
         model_dir,
         "--local.num-replicas",
         "1",
@@ -126,7 +117,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
         str(free_port()),
         "--local.max-wall-s",
         "600",
-    ]
+    )
     term = _Terminal()
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, stdin=term.slave, stdout=term.slave, stderr=term.slave, start_new_session=True
