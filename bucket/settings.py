@@ -99,7 +99,8 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
                 dest=f"{table}.{name}",
                 metavar=hint.upper(),
                 default=None,
-                help=f"{field.description} (default: {json.dumps(default)})",
+                # argparse formats help with %: a literal one (a description's "35 %") must be doubled
+                help=f"{field.description} (default: {json.dumps(default)})".replace("%", "%%"),
             )
 
 
