@@ -123,13 +123,14 @@ class CanaryProbe:
             [canary.base_logprobs[j] for j in got],
         )
         numbers = {k: round(x, 4) for k, x in v.items()}
-        if v["gap"] >= cfg.canary_min_gap and v["shift"] < 0.5:
+        if v["gap"] >= cfg.canary_min_gap and v["shift"] < cfg.canary_min_shift:
             return ProbeVerdict(
                 False,
                 "base_weights",
                 reason=f"serves the BASE model under {ad.lora_name}: its canary logprobs show {v['shift']:.2f} of "
-                f"the shift from the base to {ad.version_dir} (1.0 expected; {v['d_base']:.3f} per token from the "
-                f"base, {v['d_adapter']:.3f} from the version, which is {v['gap']:.3f} from the base)",
+                f"the shift from the base to {ad.version_dir} (at least {cfg.canary_min_shift} expected; "
+                f"{v['d_base']:.3f} per token from the base, {v['d_adapter']:.3f} from the version, which is "
+                f"{v['gap']:.3f} from the base)",
                 numbers=numbers,
             )
         if v["d_adapter"] > cfg.canary_tolerance:
