@@ -72,7 +72,11 @@ class AdapterSync:
             self._watcher = asyncio.create_task(self._watch(), name="adapter-watch")
         if self._lock.locked() and not wait:
             return
-        latest = await asyncio.to_thread(adapters.latest_version, self.store)
+        try:
+            latest = await asyncio.to_thread(adapters.latest_version, self.store)
+        except Exception as exc:  # noqa: BLE001 - e.g. EIO from a FUSE mount mid-rewrite: read it again next poll
+            log.warning("reading adapters/LATEST.json failed (%s: %s); retrying", type(exc).__name__, exc)
+            return
         await self._exchange(latest, force=True)
 
     async def _adopt_loaded(self) -> None:

@@ -177,7 +177,10 @@ class Worker:
 
     async def _poll(self) -> None:
         """Every `poll_s`: how far the trainer has read, and whether a newer adapter is out."""
-        await asyncio.to_thread(self.output.read_trainer_cursor)
+        try:
+            await asyncio.to_thread(self.output.read_trainer_cursor)
+        except Exception as exc:  # noqa: BLE001 - e.g. EIO from a FUSE mount mid-rewrite: read again next poll
+            log.warning("reading trainer/progress.json failed (%s: %s); retrying", type(exc).__name__, exc)
         await self.adapters.sync()
         self.next_poll = time.monotonic() + self.rc.poll_s
 
