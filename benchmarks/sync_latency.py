@@ -25,8 +25,6 @@ import contextlib
 import json
 import math
 import os
-import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,7 +35,7 @@ from bucket.store import Store
 from bucket.timeline import Timeline
 from infra.config import load
 from infra.local import run as run_local
-from infra.s3server import create_bucket, free_port, start_loopback_s3
+from infra.s3server import create_bucket, listen_ports, start_loopback_s3
 
 BUCKETS = ("local", "s3")
 
@@ -99,27 +97,6 @@ def bucket_for(kind: str, tmp: str) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def listen_ports(n: int) -> int:
-    """The first of `n` consecutive ports free now, below the kernel's ephemeral range: an ephemeral port
-    can be taken by any outgoing connection (S3 traffic is plenty) before a replica binds it."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    for _ in range(200):
-        base = random.randrange(max(1024, low - 12000), low - 1100)  # a sidecar's /metrics is port + 1000
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    return free_port()
 
 
 def run_one(kind: str, versions: int, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ stopping it.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,6 +34,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def listen_ports(n: int) -> int:
+    """The first of `n` consecutive ports free now, below the kernel's ephemeral range: an ephemeral port
+    can be taken by any outgoing connection (S3 traffic is plenty) before a replica binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(200):
+        base = random.randrange(max(1024, low - 12000), low - 1100)  # a sidecar's /metrics is port + 1000
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    return free_port()
 
 
 @dataclass

@@ -17,45 +17,20 @@ from __future__ import annotations
 
 import collections
 import os
-import random
-import socket
 import subprocess
 
 import pytest
-from conftest import REPO_ROOT, brigade_local, free_port, new_s3_bucket
+from conftest import REPO_ROOT, brigade_local, new_s3_bucket
 from flaky_s3 import FlakyS3
 
 from bucket import Store, adapters, checkpoints, events
 from bucket.manifest import read_manifest
 from bucket.rollouts import read_shards
 from infra.cli import main as cli_main
+from infra.s3server import listen_ports
 from infra.summary import summarize
 
 STEPS, SYNC, GROUPS_PER_STEP = 4, 1, 2
-
-
-def listen_ports(n: int) -> int:
-    """The first of `n` consecutive ports free now, below the kernel's ephemeral range.
-
-    Ephemeral ports (free_port) are also what every outgoing connection takes: with s3fs or moto busy,
-    one of them can sit on base + 1 by the time replica 1's vLLM binds it a minute later.
-    """
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    for _ in range(200):
-        base = random.randrange(max(1024, low - 12000), low - 1100)  # the sidecar's /metrics is port + 1000
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    return free_port()
 
 
 def local_run_cmd(bucket: str, runs_dir: str, model_dir: str) -> list[str]:
