@@ -71,8 +71,10 @@ def _s3_options(url: str) -> dict[str, Any]:
                 "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_RETRY_ATTEMPTS),
             },
             # A hung connection is a transient error too: time it out so that it is retried.
+            # BRIGADE_S3_READ_TIMEOUT_S shortens it where requests are small and the endpoint is near
+            # (the chaos benchmark: a held request costs seconds, not half a minute).
             "connect_timeout": 5,
-            "read_timeout": 30,
+            "read_timeout": float(os.environ.get("BRIGADE_S3_READ_TIMEOUT_S") or 30),
         },
     }
     endpoint = os.environ.get("BRIGADE_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import new_s3_bucket
-from flaky_s3 import FlakyS3
 
 from bucket import adapters, appendlog, checkpoints, layout
 from bucket.store import Store
+from infra.s3faults import FaultyS3
 
 
 def test_exclusive_create_has_one_winner_among_racing_writers(store: Store):
@@ -69,7 +69,7 @@ def test_a_retried_create_whose_first_attempt_landed_is_still_ours(s3_endpoint):
 def test_a_store_that_ignores_conditional_writes_falls_back_to_check_then_put(s3_endpoint, monkeypatch):
     # The proxy drops If-None-Match on its way to moto: an S3-compatible store without conditional PUT.
     bucket = new_s3_bucket(s3_endpoint)
-    proxy = FlakyS3(s3_endpoint, every=0, drop_conditions=True)
+    proxy = FaultyS3(s3_endpoint, every=0, drop_conditions=True)
     monkeypatch.setenv("BRIGADE_S3_ENDPOINT_URL", proxy.endpoint)
     try:
         store = Store(bucket)
@@ -110,7 +110,7 @@ def test_crash_between_commit_and_checkpoint_pointer_resumes_from_the_committed_
 @pytest.fixture
 def flaky_s3(s3_endpoint, monkeypatch):
     bucket = new_s3_bucket(s3_endpoint)  # created directly, before the faults
-    proxy = FlakyS3(s3_endpoint, every=4)
+    proxy = FaultyS3(s3_endpoint, every=4)
     monkeypatch.setenv("BRIGADE_S3_ENDPOINT_URL", proxy.endpoint)
     yield Store(bucket), proxy
     proxy.close()

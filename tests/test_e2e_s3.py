@@ -2,7 +2,7 @@
 
 One run per session against moto's S3 server on loopback (the `s3_endpoint`
 fixture), through s3fs like a cloud bucket, with every 10th request of the
-run failing on its way (tests/flaky_s3.py: 503s, 500s, and answers lost after
+run failing on its way (infra/s3faults.py: 503s, 500s, and answers lost after
 the request took effect), which every job must ride out: 2 vLLM replicas that get adapters
 through their mirror (vLLM loads local paths only), the proxy, a rollout
 worker and the trainer. Every check reads the bucket through the S3 API.
@@ -21,12 +21,12 @@ import subprocess
 
 import pytest
 from conftest import REPO_ROOT, brigade_local, new_s3_bucket
-from flaky_s3 import FlakyS3
 
 from bucket import Store, adapters, checkpoints, events
 from bucket.manifest import read_manifest
 from bucket.rollouts import read_shards
 from infra.cli import main as cli_main
+from infra.s3faults import FaultyS3
 from infra.s3server import listen_ports
 from infra.summary import summarize
 
@@ -113,7 +113,7 @@ def s3_run(s3_endpoint, tmp_path_factory, model_dir):
     job and the S3 server; yields (the CompletedProcess, its Store read without faults, faults injected)."""
     bucket = new_s3_bucket(s3_endpoint)
     cmd = local_run_cmd(bucket, str(tmp_path_factory.mktemp("s3run")), model_dir)
-    flaky = FlakyS3(s3_endpoint, every=FAULT_EVERY)
+    flaky = FaultyS3(s3_endpoint, every=FAULT_EVERY)
     # Credentials reach every job through the environment (set by s3_endpoint); the endpoint is the faults'.
     env = {**os.environ, "BRIGADE_S3_ENDPOINT_URL": flaky.endpoint}
     try:
