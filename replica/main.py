@@ -203,6 +203,11 @@ class Replica:
             self.metrics.serve(self.rc.host, metrics_port(self.rc), advertise_host)
         try:
             adapter_root = self._adapter_root(store, manifest, event_log)
+            if self.mirror is not None:
+                # Mirroring goes on while vLLM starts (a minute on CPU): a replica joining a running run
+                # then holds every version the proxy will give it when it registers, instead of making
+                # the join wait on "No adapter found" while it catches up.
+                self._start_thread(self._mirror_loop)
             self.server = VllmServer(plan, self._log_path())
             print(
                 f"brigade replica {self.rid}: starting vLLM on {plan.base_url} "
@@ -243,8 +248,6 @@ class Replica:
                 flush=True,
             )
             self._start_thread(self._heartbeat_loop, store, info)
-            if self.mirror is not None:
-                self._start_thread(self._mirror_loop)
             while not self.stop.wait(0.5):
                 if not self.server.alive():
                     raise ReplicaError(

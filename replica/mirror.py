@@ -36,11 +36,12 @@ def _write_file(path: str, data: bytes) -> None:
 
 
 class AdapterMirror:
-    """Keeps `cache_dir` holding every committed version from (newest - window) on.
+    """Keeps `cache_dir` holding every committed version from (newest - keep) on.
 
-    `window` is how many versions behind the newest a replica may still be
-    asked to load (the staleness window plus margin); versions older than
-    `keep` behind the newest are deleted to bound disk use.
+    `window` is how many versions behind the newest a replica may be asked to
+    load in the normal course (the staleness window plus margin); `keep`
+    (twice that by default) is what is fetched on the first sync and kept on
+    disk: older versions are deleted to bound disk use.
     """
 
     def __init__(
@@ -76,10 +77,14 @@ class AdapterMirror:
         latest = adapters.latest_version(self.store)
         if latest is None:
             return []
-        # First call: the recent window (older versions are never loaded again).
+        # First call: every version the mirror keeps (`keep` behind the newest), not just the staleness
+        # window: a replica joining a running run must get every version still *live* on the proxy, and a
+        # version stays live past the window while a group in flight (or a restarted rollout worker that
+        # has not unloaded it yet) holds it. Replicas that were there all along keep the same range.
         # Later calls: only what LATEST moved past, plus versions that failed to copy.
-        low = latest - self.window if self._seen_latest is None else self._seen_latest + 1
-        todo = sorted(set(range(max(1, low), latest + 1)) | self._retry)
+        low = latest - self.keep if self._seen_latest is None else self._seen_latest + 1
+        # Newest first: the version about to be loaded everywhere is the one that must not wait.
+        todo = sorted(set(range(max(1, low), latest + 1)) | self._retry, reverse=True)
         self._retry = set()
         done = []
         for version in todo:
@@ -97,7 +102,7 @@ class AdapterMirror:
                 self._retry.add(version)
         self._seen_latest = latest if self._seen_latest is None else max(self._seen_latest, latest)
         self._prune(latest)
-        return done
+        return sorted(done)
 
     def mirror_version(self, version: int) -> bool:
         """Copy one version if it is committed; False for a number the trainer abandoned."""

@@ -402,7 +402,7 @@ def test_mirror_copies_committed_versions_verified(s3_store, tmp_path):
     s3_store.put_bytes(f"{layout.adapter_key(3)}/adapter_model.safetensors", b"abandoned upload")  # never committed
     seen = []
     mirror = AdapterMirror(s3_store, str(tmp_path / "cache"), window=5, on_mirrored=lambda v, t: seen.append(v))
-    assert mirror.sync_once() == [1, 2] and seen == [1, 2]
+    assert mirror.sync_once() == [1, 2] and seen == [2, 1]  # newest first: the one about to be loaded
     assert mirror.sync_once() == []  # nothing new: nothing copied again
     published[4] = fake_adapter(4)
     adapters.publish(s3_store, 4, published[4])
@@ -413,11 +413,16 @@ def test_mirror_copies_committed_versions_verified(s3_store, tmp_path):
             assert (tmp_path / "cache" / layout.version_dir(v) / name).read_bytes() == data
 
 
-def test_mirror_first_sync_takes_only_the_recent_window(s3_store, tmp_path):
-    for v in range(1, 7):
+def test_mirror_first_sync_takes_every_version_it_keeps(s3_store, tmp_path):
+    """A joining replica gets every version still live on the proxy, which can be older than the staleness
+    window (a group in flight holds it): the first sync takes what every mirror keeps, `keep` behind the newest."""
+    for v in range(1, 11):
         adapters.publish(s3_store, v, fake_adapter(v))
-    mirror = AdapterMirror(s3_store, str(tmp_path / "cache"), window=2)
-    assert mirror.sync_once() == [4, 5, 6]
+    mirror = AdapterMirror(s3_store, str(tmp_path / "cache"), window=2)  # keep = 2 * (window + 1) = 6
+    assert mirror.sync_once() == [4, 5, 6, 7, 8, 9, 10]
+    adapters.publish(s3_store, 11, fake_adapter(11))
+    assert mirror.sync_once() == [11]
+    assert mirror.mirrored() == [5, 6, 7, 8, 9, 10, 11]  # the same range, pruned as LATEST moves
 
 
 def test_mirror_refuses_an_adapter_that_fails_its_checksum(s3_store, tmp_path):
