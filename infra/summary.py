@@ -11,6 +11,7 @@ import statistics
 from typing import Any
 
 from bucket import checkpoints, events
+from bucket.manifest import read_manifest
 from bucket.progress import read_done
 from bucket.rollouts import read_shards
 from bucket.settings import open_bucket
@@ -83,12 +84,17 @@ def summarize(store: Store) -> dict[str, Any]:
     skipped = [g for st in lineage for g in st.skipped_zero_variance]
     rewards = [e["reward"] for e in steps]
     samples = sum(e["samples"] for e in steps)
+    # TRL's count: every sample of the step's groups, those with equal rewards included (TRL runs them
+    # through forward and backward with zero advantage; brigade sets them aside before the forward pass).
+    group_size = read_manifest(store).num_generations if steps else 0
+    consumed = samples + group_size * sum(e.get("skipped_zero_variance", 0) for e in steps)
     train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
     latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
     return {
         "steps": len(steps),
         "trained_samples": samples,
         "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
+        "consumed_samples_per_s": consumed / train_wall if train_wall > 0 else 0.0,
         "mean_reward": statistics.fmean(rewards) if rewards else None,
         "reward_first_steps": statistics.fmean(rewards[: max(1, len(rewards) // 4)]) if rewards else None,
         "reward_last_steps": statistics.fmean(rewards[-max(1, len(rewards) // 4) :]) if rewards else None,
@@ -119,7 +125,8 @@ def render(summary: dict[str, Any]) -> str:
 
     lines = [
         f"steps                 {summary['steps']}",
-        f"trained samples/s     {f(summary['trained_samples_per_s'], '.2f')}  ({summary['trained_samples']} samples)",
+        f"trained samples/s     {f(summary['trained_samples_per_s'], '.2f')}  ({summary['trained_samples']} samples; "
+        f"{f(summary.get('consumed_samples_per_s'), '.2f')}/s with equal-reward groups, as TRL counts)",
         f"mean reward           {f(summary['mean_reward'])}  (first quarter {f(summary['reward_first_steps'])}, "
         f"last quarter {f(summary['reward_last_steps'])})",
         f"ratio (mean)          {f(summary['ratio_mean'], '.4f')}",
