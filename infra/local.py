@@ -198,7 +198,7 @@ def _open_bucket(config: Config, run_dir: str, logs: str) -> tuple[Store, Loopba
     return Store(config.bucket.url), server
 
 
-def _write_config(config: Config, run_dir: str) -> str:
+def write_config(config: Config, run_dir: str) -> str:
     """The full config as TOML, which every job reads (each takes its own tables): one file reproduces the run."""
     path = os.path.join(run_dir, "config.toml")
     with open(path, "w") as f:
@@ -206,22 +206,22 @@ def _write_config(config: Config, run_dir: str) -> str:
     return path
 
 
-def _job(module: str, name: str, cfg_path: str, logs: str, *flags: str) -> Job:
+def launch_job(module: str, name: str, cfg_path: str, logs: str, *flags: str) -> Job:
     """A job launched through its own entry point, exactly as a deployment runs it."""
     argv = [sys.executable, "-m", module, "--config", cfg_path, *flags]
     return Job(name, argv, os.path.join(logs, f"{name}.log"))
 
 
-def _replica_job(config: Config, i: int, cfg_path: str, logs: str) -> Job:
+def replica_job(config: Config, i: int, cfg_path: str, logs: str) -> Job:
     name = f"replica-{i}"
     # Unless cpu_threads is set, replica i gets core i: the replicas do not fight over the same core.
     cpu_threads = config.replica.cpu_threads or str(i % (os.cpu_count() or 1))
     flags = ["--replica.port", str(config.local.base_port + i), "--replica.replica-id", name]
     flags += ["--replica.log-dir", logs, "--replica.cpu-threads", cpu_threads]
-    return _job("replica", name, cfg_path, logs, *flags)
+    return launch_job("replica", name, cfg_path, logs, *flags)
 
 
-def _replicas_registered(store: Store, ids: set[str], since: float) -> bool:
+def replicas_registered(store: Store, ids: set[str], since: float) -> bool:
     # Only this run's registrations: a reused bucket may hold stale ones from an earlier run.
     fresh = {r.replica_id for r in replicas.list_replicas(store) if r.started_at >= since - 5}
     return ids <= fresh
@@ -244,12 +244,14 @@ class LocalRun:
 
     def __init__(self, config: Config, store: Store, cfg_path: str, logs: str):
         self.config, self.store = config, store
-        self.replicas = [_replica_job(config, i, cfg_path, logs) for i in range(config.local.num_replicas)]
-        self.proxy = _job("proxy", "proxy", cfg_path, logs)
+        self.replicas = [replica_job(config, i, cfg_path, logs) for i in range(config.local.num_replicas)]
+        self.proxy = launch_job("proxy", "proxy", cfg_path, logs)
         # A fixed worker id: its data cursor in the bucket is found again if the run is resumed.
-        self.rollout = _job("rollout_worker", "rollout", cfg_path, logs, "--rollout.worker-id", rollout_id(config))
+        self.rollout = launch_job(
+            "rollout_worker", "rollout", cfg_path, logs, "--rollout.worker-id", rollout_id(config)
+        )
         torch_threads = str(config.trainer.torch_threads or config.local.trainer_threads)
-        self.trainer = _job("trainer", "trainer", cfg_path, logs, "--trainer.torch-threads", torch_threads)
+        self.trainer = launch_job("trainer", "trainer", cfg_path, logs, "--trainer.torch-threads", torch_threads)
         self.jobs = self.replicas + [self.proxy, self.rollout, self.trainer]
         self.started = time.monotonic()
         self.started_at = time.time()
@@ -271,7 +273,7 @@ class LocalRun:
         for job in self.replicas:
             job.start()
         print(f"starting {n} vLLM replicas (about a minute on CPU) ...", flush=True)
-        registered = partial(_replicas_registered, self.store, {job.name for job in self.replicas}, time.time())
+        registered = partial(replicas_registered, self.store, {job.name for job in self.replicas}, time.time())
         timeout_s = self.config.replica.startup_timeout_s + 30
         self.wait_until("the replicas to register in the bucket", registered, timeout_s)
         self.replica_startup_s = time.monotonic() - self.started
@@ -394,7 +396,7 @@ def _run_in(config: Config, store: Store, run_dir: str, logs: str) -> int:
     store.check_reachable(create=True)
     _ensure_model(config)
     manifest = init_or_check(store, config.run, "local", tokenizer_id.fingerprint(config.trainer.model_path))
-    cfg_path = _write_config(config, run_dir)
+    cfg_path = write_config(config, run_dir)
     print(f"run {manifest.run_id}: bucket {store.url}\n  logs in {logs}", flush=True)
     print(f"  in a browser: brigade dashboard --bucket {store.url}", flush=True)
 

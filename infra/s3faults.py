@@ -30,6 +30,12 @@ _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
 SLOWDOWN, INTERNAL, LOST, TIMEOUT = "503_slowdown", "500_internal", "500_after_effect", "timeout"
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client killed mid-request (the chaos run SIGKILLs jobs) resets its connection: not news.
+        pass
+
+
 class FaultyS3:
     """Listens on a free loopback port (`endpoint`) and relays to `upstream`, failing some requests."""
 
@@ -53,7 +59,7 @@ class FaultyS3:
         self._counter = itertools.count(1)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # handler threads draw from one seeded generator
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = _QuietServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True, name="faulty-s3").start()

@@ -131,3 +131,21 @@ def test_transient_s3_errors_are_retried_in_every_operation(flaky_s3):
     store.delete("log")
     assert store.list("log") == []
     assert proxy.failed >= 6, "the fault injector must actually have failed requests"
+
+
+def test_seeded_faults_with_timeouts_are_ridden_out(s3_endpoint, monkeypatch):
+    """The chaos benchmark's fault mode: a seeded share of requests fails, some held past the read timeout."""
+    bucket = new_s3_bucket(s3_endpoint)
+    proxy = FaultyS3(s3_endpoint, rate=0.3, seed=3, hold_s=1.5)
+    monkeypatch.setenv("BRIGADE_S3_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("BRIGADE_S3_READ_TIMEOUT_S", "1")
+    try:
+        store = Store(bucket)
+        log = appendlog.LogWriter(store, "log", "w")
+        keys = [log.append({"n": n}) for n in range(12)]
+        assert len(set(keys)) == 12
+        assert [r.body["n"] for r in appendlog.read_after(store, "log", {})] == list(range(12))
+    finally:
+        proxy.close()
+    assert proxy.faults["timeout"] >= 1 and len(proxy.faults) >= 3, proxy.faults
+    assert proxy.failed == sum(proxy.faults.values()) and proxy.requests > proxy.failed

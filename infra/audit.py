@@ -1,0 +1,191 @@
+"""What a run's bucket says about its guarantees: one audit, read from the bucket only.
+
+Used by the chaos benchmark (benchmarks/chaos.py, tests/test_chaos.py) and the
+S3 end-to-end test (tests/test_e2e_s3.py). Every count named like a failure
+(`groups_lost`, `groups_trained_twice`, `groups_mixed_versions`,
+`versions_reused`, `uncommitted_loads`, ...) must be 0 on any run, however
+often its jobs were killed; the others describe the run.
+
+- The ledger is the chain of checkpoints (`checkpoints.lineage`): each one
+  lists the groups trained, dropped as stale or skipped (zero reward
+  variance) since its parent, and the newest one the groups read but not yet
+  trained (pending) and, per rollout worker, the last shard read. What a
+  killed trainer trained after its last checkpoint died with its weights and
+  is not in the chain, so it is read again: along the chain every group read
+  is consumed exactly once.
+- A group *scored* is one in a shard; *unread* if its shard lies after the
+  newest checkpoint's cursor (a restarted trainer reads it next: not lost);
+  *lost* if it was read (its shard is at or before the cursor) but the chain
+  neither trained, dropped, skipped nor holds it pending.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from bucket import adapters, checkpoints, events
+from bucket.manifest import read_manifest
+from bucket.rollouts import ScoredGroup, read_shards
+from bucket.store import Store
+
+
+def _ledger(store: Store, scored: dict[str, ScoredGroup], read: set[str]) -> dict[str, Any]:
+    lineage = checkpoints.lineage(store)
+    trained = [g for st in lineage for g in st.trained]
+    dropped = [g for st in lineage for g in st.dropped_stale]
+    skipped = [g for st in lineage for g in st.skipped_zero_variance]
+    pending = lineage[-1].pending if lineage else []
+    consumed = collections.Counter(trained + dropped + skipped + pending)
+    max_staleness = read_manifest(store).max_staleness
+    # A group trained under checkpoint `child` was trained by the weights of `parent`'s version: its own
+    # version must lie within the staleness window behind it, never ahead (negative staleness).
+    out_of_window = 0
+    for parent, child in zip(lineage, lineage[1:]):
+        for gid in child.trained:
+            group = scored.get(gid)
+            if group is None or not 0 <= parent.version - group.adapter_version <= max_staleness:
+                out_of_window += 1
+    versions = [st.version for st in lineage]
+    return {
+        "checkpoints": len(lineage),
+        "lineage_versions": versions,
+        "groups_trained": len(set(trained)),
+        "groups_dropped_stale": len(set(dropped)),
+        "groups_skipped_zero_variance": len(set(skipped)),
+        "groups_pending": len(set(pending)),
+        "groups_trained_twice": sum(n - 1 for n in consumed.values() if n > 1),
+        "groups_lost": len(read - set(consumed)),
+        "groups_unknown_in_ledger": len(set(consumed) - set(scored)),  # the ledger names a group no shard holds
+        "groups_trained_out_of_window": out_of_window,
+        "lineage_not_increasing": sum(1 for a, b in zip(versions, versions[1:]) if b <= a),
+    }
+
+
+def _loads(evs: list[dict[str, Any]], committed_at: dict[int, float]) -> dict[str, Any]:
+    """Every load the proxy made was of a committed version, after its commit; no version was published twice."""
+    published = collections.Counter(e["version"] for e in evs if e["kind"] == events.PUBLISHED)
+    uncommitted = [
+        e
+        for e in evs
+        if e["kind"] in (events.LOADED, events.LOADED_ALL)
+        and (e["version"] not in committed_at or e["ts"] < committed_at[e["version"]])
+    ]
+    return {
+        "versions_committed": len(committed_at),
+        "versions_reused": sum(n - 1 for n in published.values() if n > 1),
+        "uncommitted_loads": len(uncommitted),
+    }
+
+
+def _mixed(scored: dict[str, ScoredGroup], evs: list[dict[str, Any]], committed: set[int], group_size: int) -> int:
+    """Groups whose samples cannot all come from the one version the group names.
+
+    A group is generated with one model name (its `adapter_version`); the bucket can check that claim: the
+    version is the base (0) or committed, the group is whole, and every replica that served one of its samples
+    had that version loaded (a proxy `adapter_loaded` event) before the group was written.
+    """
+    loaded: dict[tuple[int, str], float] = {}
+    for e in evs:
+        if e["kind"] == events.LOADED:
+            key = (e["version"], e["replica"])
+            loaded[key] = min(loaded.get(key, e["ts"]), e["ts"])
+    bad = 0
+    for g in scored.values():
+        v = g.adapter_version
+        whole = len(g.samples) == group_size
+        if v == 0:
+            bad += not whole
+            continue
+        served = all(loaded.get((v, s.replica), float("inf")) <= g.generated_at for s in g.samples)
+        bad += not (whole and v in committed and served)
+    return bad
+
+
+def joins(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each time the proxy let a replica in (admitted or re-admitted): the versions live then, and which of
+    them the replica had not loaded (since its own start) before it got traffic. `missing` must be empty."""
+    out = []
+    started: dict[str, float] = {}
+    live: set[int] = set()
+    loaded: dict[str, set[int]] = collections.defaultdict(set)
+    for e in evs:  # oldest first
+        kind, rid = e["kind"], e.get("replica")
+        if kind == events.REPLICA_STARTED:
+            started[rid] = e["ts"]
+            loaded[rid] = set()  # a restarted replica has lost its adapters
+        elif kind == events.LOADED:
+            loaded[rid].add(e["version"])
+        elif kind == events.LOADED_ALL:
+            live.add(e["version"])
+        elif kind == events.UNLOADED and e.get("version") is not None:
+            live.discard(e["version"])
+        elif kind in (events.REPLICA_ADMITTED, events.REPLICA_READMITTED):
+            out.append(
+                {
+                    "replica": rid,
+                    "ts": e["ts"],
+                    "kind": str(kind),
+                    "since_start_s": round(e["ts"] - started[rid], 1) if rid in started else None,
+                    "live": sorted(live),
+                    "missing": sorted(live - loaded[rid]),
+                }
+            )
+    return out
+
+
+def progress_after(store: Store, kind: str, name: str, since: float, evs: list[dict[str, Any]] | None = None) -> bool:
+    """Whether job `name` of `kind` (trainer, rollout, proxy, replica) did useful work after `since` (wall clock):
+    a training step, a shard written, a group generated through the proxy, a sample served by the replica."""
+    evs = events.read_all(store) if evs is None else evs
+    later = [e for e in evs if e["ts"] > since]
+    if kind == "trainer":
+        return any(e["kind"] == events.TRAIN_STEP for e in later)
+    if kind == "rollout":
+        return any(e["kind"] == events.SHARD_WRITTEN for e in later)
+    groups = [g for s in read_shards(store, {}) for _, g in s.groups() if g.generated_at > since]
+    if kind == "proxy":
+        return bool(groups)
+    return any(s.replica == name for g in groups for s in g.samples)
+
+
+def audit(store: Store) -> dict[str, Any]:
+    """The run's ledger, loads and groups checked against each other; failure counts must all be 0."""
+    shards = read_shards(store, {})
+    scored = {str(gid): g for s in shards for gid, g in s.groups()}
+    lineage = checkpoints.lineage(store)
+    cursors = lineage[-1].cursors if lineage else {}
+    read = {str(gid) for s in shards if s.record.seq <= cursors.get(s.record.writer, -1) for gid, _ in s.groups()}
+    committed = {
+        v: float((adapters.commit_marker(store, v) or {}).get("committed_at", 0.0))
+        for v in adapters.committed_versions(store)
+    }
+    evs = events.read_all(store)
+    group_size = read_manifest(store).num_generations
+    joined = joins(evs)
+    return {
+        "groups_scored": len(scored),
+        "groups_unread": len(set(scored) - read),
+        "shards_invalid": sum(1 for s in shards if s.shard is None),
+        **_ledger(store, scored, read),
+        "groups_mixed_versions": _mixed(scored, evs, set(committed), group_size),
+        **_loads(evs, committed),
+        "lineage_matches_commits": [st.version for st in lineage] == sorted(committed),
+        "joins_missing_live_versions": sum(1 for j in joined if j["missing"]),
+        "joins": joined,
+    }
+
+
+# The counts that must be 0 on every run (tests assert them; the benchmark reports them).
+MUST_BE_ZERO = (
+    "groups_lost",
+    "groups_trained_twice",
+    "groups_mixed_versions",
+    "versions_reused",
+    "uncommitted_loads",
+    "shards_invalid",
+    "groups_unknown_in_ledger",
+    "groups_trained_out_of_window",
+    "lineage_not_increasing",
+    "joins_missing_live_versions",
+)

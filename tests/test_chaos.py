@@ -1,0 +1,62 @@
+"""A seeded chaos run, through the chaos benchmark's own code (infra/chaos.py): every job its own process
+against moto's S3 behind injected faults (~10 % of requests: 503s, 500s, lost answers, timeouts).
+
+It starts with one replica and adds a second mid-run (elastic join), SIGKILLs the trainer, the rollout
+worker, the proxy and a replica (each restarted), SIGTERMs a replica (a clean leave), and then checks from
+the bucket only: nothing lost, nothing trained twice, no group mixing versions, no version name reused,
+nothing uncommitted loaded, the joiner loaded every live version before it got traffic, and every job made
+progress after every restart.
+
+One run for the whole file, ending inside its fixture (its moto server and every process stopped there).
+Named to sort before the tests that start the session-wide vLLM replicas (conftest's `vllm_replicas`,
+first used by test_eval.py): only one set of vLLM servers at a time on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.audit import MUST_BE_ZERO
+from infra.chaos import KINDS, run_chaos
+
+MINUTES, SEED = 3.0, 7
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory, model_dir):
+    return run_chaos(MINUTES, SEED, model_dir, str(tmp_path_factory.mktemp("chaos")), grace_s=90)
+
+
+def test_every_invariant_holds_after_kills_and_faults(chaos):
+    assert {k: chaos[k] for k in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), chaos
+    assert chaos["lineage_matches_commits"], chaos
+    assert chaos["s3_faults_injected"] > 0 and chaos["s3_faults"].get("timeout", 0) > 0, chaos["s3_faults"]
+    assert chaos["groups_trained"] > 0 and chaos["versions_committed"] >= 3, chaos
+
+
+def test_every_job_kind_killed_and_progressing_after_every_restart(chaos):
+    assert all(chaos["kills"][kind] >= 1 for kind in KINDS), (chaos["kills"], chaos["unperformed"])
+    assert chaos["replica_leaves"] >= 1, chaos["unperformed"]
+    stuck = [r for r in chaos["restarts"] if not r["progress"]]
+    assert not stuck, (stuck, chaos["logs"])
+    assert {r["after"] for r in chaos["restarts"]} >= {"join", "restart after kill"}
+
+
+def test_a_replica_joining_mid_run_loads_every_live_version_before_it_gets_traffic(chaos):
+    joined = [j for j in chaos["joins"] if j["replica"] == "replica-1"]
+    assert joined, chaos["joins"]
+    first = joined[0]
+    assert first["live"], "the second replica joined a run that had live versions"
+    assert all(not j["missing"] for j in chaos["joins"]), chaos["joins"]
+
+
+def test_a_killed_replica_is_ejected_and_its_work_goes_elsewhere_a_stopped_one_leaves_cleanly(chaos):
+    killed = [a for a in chaos["actions"] if a["op"] == "kill" and a.get("events") is not None]
+    left = [a for a in chaos["actions"] if a["op"] == "term"]
+    assert killed and left, chaos["actions"]
+    for a in killed:
+        assert {"replica_ejected", "replica_removed"} & set(a["events"]), a
+        assert a["served_by_others"], a  # generation went on, on the other replica
+    for a in left:
+        assert "replica_stopped" in a["events"] and "replica_removed" in a["events"], a
+        assert a["served_by_others"], a
