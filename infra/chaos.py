@@ -271,6 +271,9 @@ def _config(bucket: str, model_dir: str, runs_dir: str) -> Config:
             "replica.model_path": model_dir,
             "replica.heartbeat_s": 1.0,
             "replica.kv_cache_gib": 1.0,
+            # A clean leave: vLLM serves this long after deregistering; the proxy's registry reads may be held
+            # past their timeout by the fault layer, so longer than the 2 s default.
+            "replica.drain_s": 8.0,
             "proxy.port": proxy_port,
             "rollout.proxy_url": f"http://127.0.0.1:{proxy_port}",
             "rollout.worker_id": "rollout-0",  # fixed: a restarted worker finds its data cursor
@@ -387,10 +390,12 @@ def _registered(chaos: Chaos) -> bool:
 
 
 def _drive(chaos: Chaos, todo: list[Action], span_s: float, grace_s: float) -> dict[str, Any]:
-    """Apply the schedule for `span_s`, then wait (at most `grace_s`) for every restarted job to progress."""
+    """Apply the schedule for `span_s` (an action not yet possible then gets `grace_s` more), then wait (at most
+    `grace_s`) for every job to progress since its last start."""
     start = time.monotonic()
     todo = list(todo)
-    while (elapsed := time.monotonic() - start) < span_s:
+    # Past the span, actions still waiting for their moment (a replica kill needs two serving) get `grace_s` more.
+    while (elapsed := time.monotonic() - start) < span_s or (todo and elapsed < span_s + grace_s):
         chaos.poll_events()
         for act in [a for a in todo if a.at_s <= elapsed]:
             if chaos.ready(act):

@@ -128,7 +128,7 @@ class Membership:
                     self._last_healthy[info.replica_id] = now
             timeout = self.state.config.replica_timeout_s
             return [i for i in infos if now - self._last_healthy.get(i.replica_id, -math.inf) <= timeout]
-        infos = await asyncio.to_thread(list_replicas, self.state.store)
+        infos = await asyncio.to_thread(list_replicas, self.state.store, self.liveness.known)
         return self.liveness.update(infos)
 
     async def refresh(self) -> None:
@@ -149,8 +149,9 @@ class Membership:
             if now is None or _incarnation(now) != _incarnation(info):
                 self._drop(rid, "gone" if now is None else "restarted")
         for rid in list(self.ejected):
-            if rid not in alive:
+            if rid not in alive:  # an ejected replica that left the registry (or stopped beating) is gone
                 self.ejected.pop(rid, None)
+                self._emit_soon(events.REPLICA_REMOVED, replica=rid, reason="gone", routable=len(routable))
         for rid, task in list(self.joining.items()):
             if rid not in alive:
                 task.cancel()

@@ -40,6 +40,12 @@ class ReplicaConfig(BaseModel):
         "", description="Where to mirror committed adapters when the bucket is not a local path; empty = a temp folder."
     )
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between registry heartbeats.")
+    drain_s: float = Field(
+        2.0,
+        ge=0,
+        description="On SIGTERM: seconds vLLM keeps serving after the replica deregistered, so the proxy (which "
+        "re-reads the registry every proxy.refresh_s) stops routing here before vLLM goes away.",
+    )
     startup_timeout_s: float = Field(
         300.0, gt=0, description="Give up if vLLM is not healthy within this many seconds."
     )

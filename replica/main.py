@@ -271,6 +271,10 @@ class Replica:
                 self.metrics.registered.set(0)
             except Exception as exc:
                 log.warning("could not deregister %s: %s", self.rid, exc)
+            # A clean leave: requests the proxy sends before it notices are still answered.
+            if self.server is not None and self.server.alive() and self.rc.drain_s > 0:
+                log.info("deregistered; serving %.1fs more before stopping vLLM", self.rc.drain_s)
+                time.sleep(self.rc.drain_s)
         if self.server is not None:
             self.server.stop()
         self.metrics.close()

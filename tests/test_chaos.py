@@ -57,6 +57,6 @@ def test_a_killed_replica_is_ejected_and_its_work_goes_elsewhere_a_stopped_one_l
     for a in killed:
         assert {"replica_ejected", "replica_removed"} & set(a["events"]), a
         assert a["served_by_others"], a  # generation went on, on the other replica
-    for a in left:
-        assert "replica_stopped" in a["events"] and "replica_removed" in a["events"], a
+    for a in left:  # it deregistered, drained, stopped; the proxy dropped it as gone
+        assert {"replica_stopped", "replica_removed"} <= set(a["events"]), a
         assert a["served_by_others"], a
