@@ -9,6 +9,7 @@ dead or a dead one look alive.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from pydantic import BaseModel
 
@@ -52,7 +53,10 @@ def deregister(store: Store, replica_id: str) -> None:
     store.delete(key(replica_id))
 
 
-def list_replicas(store: Store) -> list[ReplicaInfo]:
+def list_replicas(store: Store, known: Mapping[str, ReplicaInfo] | None = None) -> list[ReplicaInfo]:
+    """The registered replicas. One listed but unreadable right now is given as its entry in `known` (its last
+    registration read), if any: on a FUSE mount of an object store (s3fs) a heartbeat's rewrite shows the
+    object as missing for a moment, which is no news, not a departure. A deregistered replica is unlisted."""
     out = []
     for name in store.list(layout.REPLICAS):
         if not name.endswith(".json"):
@@ -60,7 +64,10 @@ def list_replicas(store: Store) -> list[ReplicaInfo]:
         try:
             out.append(ReplicaInfo(**store.get_json(f"{layout.REPLICAS}/{name}")))
         except (NotFound, ValueError):
-            continue  # deregistered between list and read, or not ours
+            last = (known or {}).get(name[: -len(".json")])
+            if last is not None:
+                out.append(last)  # mid-rewrite: liveness still times out if the beat stops changing
+            # else deregistered between list and read, or not ours
     return out
 
 
@@ -70,9 +77,11 @@ class LivenessTracker:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._seen: dict[str, tuple[int, float]] = {}
+        self.known: dict[str, ReplicaInfo] = {}  # the last registration read of each listed replica
 
     def update(self, infos: list[ReplicaInfo], now: float | None = None) -> list[ReplicaInfo]:
         now = time.monotonic() if now is None else now
+        self.known = {info.replica_id: info for info in infos}
         alive = []
         for info in infos:
             beat, since = self._seen.get(info.replica_id, (None, now))

@@ -152,6 +152,34 @@ def test_replica_registry_and_liveness(store: Store):
     assert replicas.list_replicas(store) == []
 
 
+def test_a_registration_listed_but_unreadable_mid_rewrite_is_no_news(store: Store, monkeypatch):
+    """A FUSE mount (s3fs) shows a rewritten object as missing for a moment: the replica has not left."""
+    info = replicas.ReplicaInfo(
+        replica_id="r0", url="http://h:1", adapter_root="/x", base_model="m", block_size=32, max_loras=6, started_at=0
+    )
+    replicas.register(store, info)
+    tracker = replicas.LivenessTracker(timeout_s=10)
+    assert [r.beat for r in tracker.update(replicas.list_replicas(store, tracker.known), now=0)] == [0]
+    replicas.heartbeat(store, info)
+    read = store.get_json
+
+    def mid_rewrite(key: str):
+        if key == replicas.key("r0"):
+            raise NotFound(key)
+        return read(key)
+
+    monkeypatch.setattr(store, "get_json", mid_rewrite)
+    assert replicas.list_replicas(store) == []  # nothing known: skipped, as before
+    # listed, unreadable: its last registration, so it stays alive until the beat has not changed for the timeout
+    assert [r.beat for r in tracker.update(replicas.list_replicas(store, tracker.known), now=5)] == [0]
+    assert tracker.update(replicas.list_replicas(store, tracker.known), now=11) == []
+    monkeypatch.setattr(store, "get_json", read)
+    assert [r.beat for r in tracker.update(replicas.list_replicas(store, tracker.known), now=12)] == [1]
+    # deregistered: unlisted, so gone at once, whatever was known
+    replicas.deregister(store, "r0")
+    assert replicas.list_replicas(store, tracker.known) == []
+
+
 def test_checkpoint_lineage(store: Store):
     checkpoints.save(store, checkpoints.TrainerState(version=1, step=0), {"optimizer.safetensors": b"o1"})
     checkpoints.save(
