@@ -25,10 +25,11 @@ if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
         >/dev/null || echo "warning: apt-get could not install prometheus: the promtool tests skip (fail if CI=true)" >&2
 fi
-# Debian's s3fs (FUSE) mounts the loopback S3 server as a folder in tests/test_e2e_mount.py (skipped without it,
-# except under CI=true). Like chromium: only as root and only when missing.
-if ! command -v s3fs >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends s3fs) \
-        >/dev/null || echo "warning: apt-get could not install s3fs: the FUSE mount test skips (fails if CI=true)" >&2
+# Debian's s3fs (FUSE) mounts an S3 server as a folder in tests/test_e2e_mount.py, whose hosts are network
+# namespaces made with iproute2's `ip` (skipped without them, except under CI=true). Like chromium: only as root
+# and only when missing.
+if ! { command -v s3fs && command -v ip; } >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends s3fs iproute2) \
+        >/dev/null || echo "warning: apt-get could not install s3fs/iproute2: the mount test skips (fails if CI=true)" >&2
 fi
 echo "installed into $(pwd)/.venv"
