@@ -1,7 +1,10 @@
 """Benchmark: one GRPO optimizer step of the trainer on synthetic groups, packed, against the old per-group step.
 
     python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b] [--lengths fixed|longtail]
-        [--device cuda] [--groups N] [--token-budget T]
+        [--device cuda] [--groups N] [--token-budget T] [--no-compile]
+
+Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
+decoder layers compiled on a GPU (`compile`, rank-1 LoRA as fused element-wise work).
 
 The packed step is the trainer's (trainer/grpo.py `accumulate` on trainer/packing.py micro-batches, then clip
 and AdamW). The reference is the step brigade had before packing (`reference_step` below, kept unchanged: one
@@ -210,13 +213,20 @@ def main(argv: list[str] | None = None) -> int:
         "--token-budget",
         type=int,
         default=0,
-        help="tokens per micro-batch; 0 = 16384 on GPU, 1024 on CPU (the trainer's defaults)",
+        help="tokens per micro-batch; 0 = the trainer's default (from the GPU's free memory; 1024 on CPU)",
     )
     p.add_argument("--steps", type=int, default=5, help="timed packed steps (after two warm-ups on GPU, one on CPU)")
     p.add_argument("--reference-steps", type=int, default=2, help="timed reference steps (after one warm-up); 0 = skip")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     p.add_argument(
-        "--compile", action="store_true", help="torch.compile each decoder layer (rows padded to packing.row_quantum)"
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each decoder layer (rows padded to packing.row_quantum); default: the trainer's "
+        "(on for a GPU, off on CPU)",
+    )
+    p.add_argument(
+        "--peft-lora", action="store_true", help="peft's own LoRA forward (not the trainer's Rank1LoraLinear)"
     )
     p.add_argument("--static", action="store_true", help="pad every micro-batch to the token budget (one shape)")
     p.add_argument(
@@ -230,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     gpu = args.device.startswith("cuda")
     args.groups = args.groups or (16 if gpu else 4)
-    budget = args.token_budget or (16384 if gpu else 1024)
 
     import torch
     from peft.tuners.lora import LoraLayer
@@ -239,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from bucket.manifest import RunSpec
     from trainer.distributed import DataParallel
     from trainer.grpo import LossConfig, accumulate, advantages, completions
-    from trainer.model import compile_layers, resolve_dtype, wrap_lora
+    from trainer.model import compile_layers, default_token_budget, resolve_dtype, use_rank1_lora, wrap_lora
     from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, build, row_quantum, row_tokens, rows
 
     if args.threads:
@@ -255,10 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     base.set_attn_implementation(PACKED_ATTENTION)
     n_params = sum(q.numel() for q in base.parameters())
     model = wrap_lora(base, RunSpec()).to(device).train()
+    if args.peft_lora:
+        use_rank1_lora(model, False)
     if dp.world > 1 and args.dp == "fsdp2":
         fsdp2_shard(model)
+    args.compile = gpu if args.compile is None else args.compile and gpu  # as the trainer: cuda only
     if args.compile:
         compile_layers(model)
+    budget = args.token_budget or default_token_budget(model, device)
     if args.compile or dp.world > 1:
         args.reference_steps = 0
     pad = budget if args.static else row_quantum(budget) if args.compile else FLEX_BLOCK if gpu else 1
@@ -327,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ref_s = None
     if args.reference_steps:
-        # today's model setup: sdpa with its own masks, peft casting LoRA inputs to float32, no autocast
+        # today's model setup: sdpa with its own masks, peft's LoRA forward casting its inputs to float32, no autocast
         base.set_attn_implementation("sdpa")
+        use_rank1_lora(model, False)
         for m in model.modules():
             if isinstance(m, LoraLayer):
                 m.cast_input_dtype_enabled = True
@@ -357,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference_mfu": step_flops / (ref_s * PEAK_FLOPS) if gpu and ref_s else None,
         "speedup_vs_unpacked": ref_s / step_s if ref_s else None,
         "compile": args.compile,
+        "lora_forward": "peft" if args.peft_lora else "rank1",
         "static": args.static,
         "row_pad": pad,
         "world_size": dp.world,

@@ -21,7 +21,7 @@ from trl.trainer.utils import selective_log_softmax
 from bucket.manifest import RunSpec
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
-from trainer.model import wrap_lora
+from trainer.model import Rank1LoraLinear, use_rank1_lora, wrap_lora
 from trainer.packing import PACKED_ATTENTION, pack
 
 VOCAB = 97
@@ -250,3 +250,25 @@ def test_adapter_state_dict_is_unchanged_by_packing_setup():
     """The model runs packed rows but saves the same peft adapter keys vLLM loads."""
     keys = set(get_peft_model_state_dict(_model()))
     assert keys and all("lora_A" in k or "lora_B" in k for k in keys)
+
+
+def test_rank1_lora_forward_equals_peft():
+    """The trainer's rank-1 LoRA forward (one addmm) gives peft's outputs and LoRA gradients, adapter on and off."""
+    model = _model()
+    assert sum(isinstance(m, Rank1LoraLinear) for m in model.modules()) == 14  # 7 per layer, 2 layers
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for rank1 in (True, False):
+        use_rank1_lora(model, rank1)
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        with torch.no_grad(), model.disable_adapter():
+            base = model(input_ids=ids).logits
+        out[rank1] = (logits.detach(), _grads(model), base)
+    assert sum(isinstance(m, Rank1LoraLinear) for m in model.modules()) == 0
+    torch.testing.assert_close(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][2], out[False][2])
+    assert out[True][1].keys() == out[False][1].keys() and out[True][1]
+    for name in out[True][1]:
+        torch.testing.assert_close(out[True][1][name], out[False][1][name], rtol=1e-4, atol=1e-6)

@@ -30,6 +30,7 @@ from trainer.model import (
     adapter_files,
     build_model,
     compile_layers,
+    default_token_budget,
     load_adapter_weights,
     load_optimizer,
     optimizer_bytes,
@@ -52,6 +53,7 @@ class Trainer:
         if self.compiled:
             compile_layers(self.model)
         self.loss = LossConfig.from_settings(settings)
+        self.token_budget = settings.token_budget or default_token_budget(self.model, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
         self.buffer = RolloutBuffer(store, manifest.max_staleness)
@@ -118,7 +120,7 @@ class Trainer:
         groups = [g for _, g in batch]
         advs, zero = advantages(groups, self.loss.scale_rewards)
         keep = [i for i, z in enumerate(zero) if not z]
-        budget = self.settings.token_budget or (16384 if self.device.type == "cuda" else 1024)
+        budget = self.token_budget
         planned = rows(completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss), budget)
         pad = row_quantum(budget) if self.compiled else FLEX_BLOCK if self.device.type == "cuda" else 1
         self.optimizer.zero_grad(set_to_none=True)
