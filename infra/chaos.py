@@ -1,23 +1,18 @@
-"""A chaos run: every job as its own process against S3 behind injected faults, killed and restarted on a schedule.
+"""Chaos for a run whose jobs are separate processes: the seeded schedule, and killing and restarting jobs.
 
-The jobs are launched the way separate machines run them (`brigade init`,
-then `brigade replica`, `brigade trainer`, `brigade proxy`, `brigade rollout`,
-each through its own entry point with the run's config file; infra/local.py's
-launchers), against moto's S3 server on loopback (infra/s3server.py) behind
-infra/s3faults.py, which fails a share of every job's requests (503s, 500s,
-lost answers, requests held past the client's timeout).
-
-A seeded schedule (`plan`) then, while the run trains:
+Jobs are launched through infra/local.py's launchers, each through its own
+entry point with the run's config file, as separate machines run them.
+The seeded schedule (`plan`):
 - adds a second replica early (it joins a running run),
 - SIGKILLs the trainer, the rollout worker and the proxy at random moments
   and restarts each at once,
 - SIGKILLs a replica (its vLLM included: the machine is gone) once two
   serve, and restarts it; later SIGTERMs one (it leaves cleanly),
 - in longer runs, more kills of random kinds.
-An action waits until it makes sense: a job is killed again only once it made
-progress since its last start, a replica only while another one serves.
-
-At the end everything is checked from the bucket only (infra/audit.py).
+An action waits until it makes sense (`Chaos.ready`): a job is killed again
+only once it made progress since its last start, a replica only while
+another one serves. benchmarks/chaos.py runs it against S3 with injected
+faults and audits the bucket afterwards (infra/audit.py).
 """
 
 from __future__ import annotations
@@ -27,28 +22,20 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bucket import appendlog, events, layout
-from bucket.rollouts import ShardRead, read_shards
 from bucket.store import Store
-from infra import audit
-from infra.config import Config, load
-from infra.local import Job, launch_job, replica_job, write_config
-from infra.s3faults import LOST, SLOWDOWN, TIMEOUT, FaultyS3
-from infra.s3server import LOOPBACK_CREDENTIALS, create_bucket, listen_ports, start_loopback_s3
+from infra.config import Config
+from infra.local import Job, launch_job, replica_job
 
 log = logging.getLogger("brigade.chaos")
 
 KINDS = ("trainer", "rollout", "proxy", "replica")
-FAULT_RATE = 0.10
-# Timeouts are rarer than errors: each one stalls a job's request for the whole read timeout.
-FAULT_KINDS = (SLOWDOWN, SLOWDOWN, "500_internal", "500_internal", LOST, LOST, TIMEOUT)
-READ_TIMEOUT_S = 5.0  # the jobs' S3 read timeout in the chaos run; a held request is held longer
 PROXY_PROGRESS_MARGIN_S = 2.0  # a group finished this long after a proxy restart went through the new proxy
+REJOIN_MIN_LEFT_S = 120.0  # a replica that left rejoins only if the run has this long left to see it serve
 
 
 @dataclass(frozen=True, order=True)
@@ -94,8 +81,8 @@ def _descendants(pid: int) -> list[int]:
 
 def kill_tree(job: Job) -> None:
     """SIGKILL a job with every process it started, whatever their process group: a machine that dies."""
-    if job.proc is None:
-        return
+    if job.proc is None or job.proc.poll() is not None:
+        return  # never started, or exited and reaped: its pid may belong to another process by now
     pids = [job.proc.pid, *_descendants(job.proc.pid)]
     groups = set()
     for pid in pids:
@@ -236,180 +223,24 @@ class Chaos:
             log.info("chaos: SIGTERM %s", name)
             self.jobs[name].stop(timeout_s=60)
             self.leaves += 1
-            if elapsed_s < 0.8 * span_s:  # it rejoins later in long runs; near the end it stays gone
+            if elapsed_s < span_s - REJOIN_MIN_LEFT_S:  # it rejoins in long runs; near the end it stays gone
                 self.start("replica", name, "rejoin after term")
 
     def stop_all(self) -> None:
-        """Stop every job (SIGTERM, then SIGKILL of the whole tree): nothing is left running."""
-        for name in ["rollout", "trainer", "proxy", *self.replicas()]:
-            job = self.jobs.get(name)
-            if job is None:
-                continue
+        """Stop every job: SIGTERM to all at once (replicas drain in parallel), then SIGKILL of whatever tree is
+        left (a vLLM whose sidecar did not stop it): nothing is left running."""
+        running = [(name, job) for name, job in self.jobs.items() if job.running()]
+        for _, job in running:
             try:
-                job.stop(timeout_s=60 if name.startswith("replica-") else 20)
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                log.warning("chaos: could not stop %s: %s", name, exc)
-            if job.proc is not None:
-                kill_tree(job)  # a vLLM left behind by a sidecar that did not stop it
-
-
-def _config(bucket: str, model_dir: str, runs_dir: str) -> Config:
-    proxy_port, base_port = listen_ports(1), listen_ports(3)
-    return load(
-        overrides={
-            "bucket.url": bucket,
-            "local.runs_dir": runs_dir,
-            "local.base_port": base_port,
-            "run.num_generations": 4,
-            "run.max_staleness": 2,
-            "trainer.model_path": model_dir,
-            "trainer.max_steps": 100_000,  # the run ends when the chaos does
-            "trainer.weight_sync_steps": 1,
-            "trainer.groups_per_step": 2,
-            "trainer.torch_threads": 1,
-            "trainer.metrics": False,  # no fixed ports: other runs may share this machine
-            "replica.model_path": model_dir,
-            "replica.heartbeat_s": 1.0,
-            "replica.kv_cache_gib": 1.0,
-            # A clean leave: vLLM serves this long after deregistering; the proxy's registry reads may be held
-            # past their timeout by the fault layer, so longer than the 2 s default.
-            "replica.drain_s": 8.0,
-            "proxy.port": proxy_port,
-            "rollout.proxy_url": f"http://127.0.0.1:{proxy_port}",
-            "rollout.worker_id": "rollout-0",  # fixed: a restarted worker finds its data cursor
-            "rollout.max_completion_length": 8,
-            "rollout.groups_per_shard": 1,
-            "rollout.max_inflight_groups": 2,
-            "rollout.eval_size": 0,
-            "rollout.metrics": False,
-        }
-    )
-
-
-def _wait(what: str, ready: Any, timeout_s: float, chaos: Chaos) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        for name, job in chaos.jobs.items():
-            if job.proc is not None and job.proc.poll() not in (None, 0, -signal.SIGKILL, -signal.SIGTERM):
-                raise RuntimeError(f"{name} exited with {job.proc.returncode}:\n{job.tail()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"chaos: timed out waiting for {what}")
-        time.sleep(1)
-        chaos.poll_events()
-
-
-def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: float = 120) -> dict[str, Any]:
-    """One chaos run of `minutes` (after the first replica is up); returns the audit and the schedule's effects."""
-    os.makedirs(logs := os.path.join(workdir, "logs"), exist_ok=True)
-    server = start_loopback_s3(os.path.join(logs, "s3-server.log"))
-    faults = FaultyS3(server.endpoint, rate=FAULT_RATE, seed=seed, hold_s=READ_TIMEOUT_S + 1, kinds=FAULT_KINDS)
-    bucket = f"s3://brigade-chaos/run-{seed}"
-    direct = {**LOOPBACK_CREDENTIALS, "BRIGADE_S3_ENDPOINT_URL": server.endpoint}
-    saved = {k: os.environ.get(k) for k in direct}
-    os.environ.update(direct)  # this process reads the bucket without faults
-    env = {**direct, "BRIGADE_S3_ENDPOINT_URL": faults.endpoint, "BRIGADE_S3_READ_TIMEOUT_S": str(READ_TIMEOUT_S)}
-    # Temporary folders (a replica's adapter cache) under the run's folder: a SIGKILLed sidecar cannot remove its own.
-    os.makedirs(env.setdefault("TMPDIR", os.path.join(workdir, "tmp")), exist_ok=True)
-    config = _config(bucket, model_dir, workdir)
-    cfg_path = write_config(config, workdir)
-    chaos = Chaos(config, cfg_path, logs, Store(bucket), env, random.Random(seed))
-    t0 = time.monotonic()
-    try:
-        create_bucket(bucket)
-        init = [sys.executable, "-m", "infra.cli", "init", "--config", cfg_path]
-        subprocess.run(init, check=True, env={**os.environ, **env}, capture_output=True, timeout=120)
-        chaos.start("replica", "replica-0", "launch")
-        chaos.start("trainer", "trainer", "launch")  # loads its model meanwhile; needs no replica
-        _wait("the first replica", lambda: bool(chaos.replicas()) and _registered(chaos), 420, chaos)
-        chaos.start("proxy", "proxy", "launch")
-        chaos.start("rollout", "rollout", "launch")
-        _wait("the first shard", lambda: chaos.progressed("rollout"), 180, chaos)
-        result = _drive(chaos, plan(minutes, seed), minutes * 60, grace_s)
-    finally:
-        chaos.stop_all()
-        faults.close()
-    try:
-        checked = audit.audit(chaos.store)
-        evs = events.read_all(chaos.store)
-        shards = read_shards(chaos.store, {})
-        restarts = [
-            {
-                "name": i.name,
-                "after": i.after,
-                "at_s": round(i.started - chaos.incarnations[0].started, 1),
-                "progress": audit.progress_after(
-                    chaos.store, i.kind, i.name, i.started + (PROXY_PROGRESS_MARGIN_S if i.kind == "proxy" else 0), evs
-                ),
-            }
-            for i in chaos.incarnations
-            if i.after != "launch"
-        ]
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return {
-        "minutes": minutes,
-        "seed": seed,
-        "kills": chaos.kills,
-        "replica_leaves": chaos.leaves,
-        "s3_faults_injected": faults.failed,
-        "s3_faults": dict(faults.faults),
-        "s3_requests": faults.requests,
-        **{k: v for k, v in checked.items() if k != "joins"},
-        "restarts": restarts,
-        "actions": [_effects(a, evs, shards, chaos.incarnations[0].started) for a in chaos.actions],
-        "joins": checked["joins"],
-        "unperformed": result["unperformed"],
-        "wall_s": round(time.monotonic() - t0, 1),
-        "logs": logs,
-    }
-
-
-def _effects(act: dict[str, Any], evs: list[dict[str, Any]], shards: list[ShardRead], t0: float) -> dict[str, Any]:
-    """What a kill or leave did, from the bucket: the replica's own and the proxy's events about it within a
-    minute, and whether other replicas served groups in that minute (its requests went elsewhere)."""
-    ts, name = act["ts"], act["name"]
-    out = {"op": act["op"], "name": name, "at_s": round(ts - t0, 1)}
-    if act["kind"] != "replica":
-        return out
-    window = [e for e in evs if ts < e["ts"] <= ts + 60 and e.get("replica") == name]
-    out["events"] = sorted({str(e["kind"]) for e in window})
-    served = {s.replica for r in shards for _, g in r.groups() if ts < g.generated_at <= ts + 60 for s in g.samples}
-    out["served_by_others"] = sorted(served - {name})
-    return out
-
-
-def _registered(chaos: Chaos) -> bool:
-    from bucket import replicas
-
-    return any(r.replica_id == "replica-0" for r in replicas.list_replicas(chaos.store))
-
-
-def _drive(chaos: Chaos, todo: list[Action], span_s: float, grace_s: float) -> dict[str, Any]:
-    """Apply the schedule for `span_s` (an action not yet possible then gets `grace_s` more), then wait (at most
-    `grace_s`) for every job to progress since its last start."""
-    start = time.monotonic()
-    todo = list(todo)
-    # Past the span, actions still waiting for their moment (a replica kill needs two serving) get `grace_s` more.
-    while (elapsed := time.monotonic() - start) < span_s or (todo and elapsed < span_s + grace_s):
-        chaos.poll_events()
-        for act in [a for a in todo if a.at_s <= elapsed]:
-            if chaos.ready(act):
-                chaos.apply(act, span_s, elapsed)
-                todo.remove(act)
-                break  # one action per poll: the next one sees its effect
-        for name, job in chaos.jobs.items():
-            if job.proc is not None and job.proc.poll() not in (None, -signal.SIGKILL, -signal.SIGTERM, 0):
-                raise RuntimeError(f"{name} exited with {job.proc.returncode}:\n{job.tail()}")
-        time.sleep(2)  # each poll of the events lists every writer's folder: not too often
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        chaos.poll_events()
-        if all(chaos.progressed(n) for n, j in chaos.jobs.items() if j.running()):
-            break
-        time.sleep(2)
-    return {"unperformed": [f"{a.op} {a.kind} at {a.at_s:.0f}s" for a in todo]}
+                assert job.proc is not None
+                os.killpg(job.proc.pid, signal.SIGTERM)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 60
+        for name, job in running:
+            assert job.proc is not None
+            try:
+                job.proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("chaos: %s did not stop within 60 s of SIGTERM; killing it", name)
+            kill_tree(job)

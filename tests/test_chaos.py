@@ -1,5 +1,5 @@
-"""A seeded chaos run, through the chaos benchmark's own code (infra/chaos.py): every job its own process
-against moto's S3 behind injected faults (~10 % of requests: 503s, 500s, lost answers, timeouts).
+"""A seeded chaos run through the chaos benchmark's own code (benchmarks/chaos.py, infra/chaos.py): every job
+its own process against moto's S3 behind injected faults (~10 % of requests: 503s, 500s, lost answers, timeouts).
 
 It starts with one replica and adds a second mid-run (elastic join), SIGKILLs the trainer, the rollout
 worker, the proxy and a replica (each restarted), SIGTERMs a replica (a clean leave), and then checks from
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.chaos import run_chaos
 from infra.audit import MUST_BE_ZERO
-from infra.chaos import KINDS, run_chaos
+from infra.chaos import KINDS
 
 MINUTES, SEED = 3.0, 7
 
