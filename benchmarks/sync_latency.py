@@ -13,6 +13,8 @@ Read back from the run's events through bucket/timeline.py, per bucket:
   p50_s, p95_s, max_s   committed -> loaded on every replica, over every version loaded (the first included)
   step_to_first_rollout_p50_s   trainer step done -> first rollout generated with the version it published
   detect_p50_s, fanout_p50_s    where the time goes: committed -> noticed, and the proxy's fan-out
+  replica_load_p50_s, replica_probe_p50_s   inside the fan-out, per replica: vLLM's answer to the load, then
+                                the served-policy probe (loaded replicas' `load_s` and `seconds` events)
 
 All stages are on this one machine's clock. The last line printed is one JSON
 object with keys `local` and `s3`.
@@ -31,6 +33,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from bucket import events
 from bucket.store import Store
 from bucket.timeline import Timeline
 from infra.config import load
@@ -59,6 +62,10 @@ def latencies(store: Store) -> dict[str, Any]:
     to_rollout = [v.at["first_rollout"] - v.at["step_done"] for v in both]
     detect = [v.at["detected"] - v.at["committed"] for v in published if "detected" in v.at]
     fanout = [v.fanout_s for v in published if v.fanout_s is not None]
+    # Inside the fan-out, per replica: the load's answer, then the canary probe (proxy/fanout.py's load_s)
+    loads = [e for e in events.read_all(store) if e["kind"] == events.LOADED and "load_s" in e]
+    load_s = [e["load_s"] for e in loads]
+    probe_s = [e["seconds"] - e["load_s"] for e in loads]
 
     def rounded(x: float | None) -> float | None:
         return None if x is None else round(x, 4)
@@ -70,6 +77,8 @@ def latencies(store: Store) -> dict[str, Any]:
         "step_to_first_rollout_p50_s": rounded(statistics.median(to_rollout)) if to_rollout else None,
         "detect_p50_s": rounded(statistics.median(detect)) if detect else None,
         "fanout_p50_s": rounded(statistics.median(fanout)) if fanout else None,
+        "replica_load_p50_s": rounded(statistics.median(load_s)) if load_s else None,
+        "replica_probe_p50_s": rounded(statistics.median(probe_s)) if probe_s else None,
         "first_version_s": rounded(published[0].commit_to_all_loaded_s) if published else None,
         "versions_published": len(published),
         "versions_loaded_on_all": len(sync),

@@ -147,6 +147,7 @@ class AdapterFanout:
             deadline = time.monotonic() + state.config.load_retry_s
             results = await asyncio.gather(*(self.upstream.load_on(r, ad, deadline) for r in targets))
             failed = [r for r in results if not r.ok]
+            answered = {r.replica: r.done_at for r in results}  # the load itself, before any probe
             rolled_back: list[ReplicaResult] = []
             probe_failed: dict[str, str] = {}
             if not failed and ad.canary is not None:
@@ -183,7 +184,7 @@ class AdapterFanout:
         seconds = time.monotonic() - received
         if failed:
             return await self._load_failed(ad, results, failed, rolled_back, seconds, started_at)
-        return await self._load_succeeded(ad, results, received, seconds, started_at, probe_failed)
+        return await self._load_succeeded(ad, results, received, seconds, started_at, probe_failed, answered)
 
     async def _load_succeeded(
         self,
@@ -193,8 +194,10 @@ class AdapterFanout:
         seconds: float,
         started_at: float,
         probe_failed: dict[str, str] | None = None,
+        answered: dict[str, float] | None = None,
     ) -> Response:
         self.state.metrics.load_seconds.observe(seconds)
+        answered = answered or {}
         for r in results:
             self.state.metrics.replica_load_seconds.labels(r.replica).observe(max(0.0, r.done_at - received))
             await self.events.emit(
@@ -203,6 +206,8 @@ class AdapterFanout:
                 lora_name=ad.lora_name,
                 replica=r.replica,
                 seconds=round(r.done_at - received, 4),
+                # where the time went: the replica's answer to the load, then the canary probe
+                load_s=round(answered.get(r.replica, r.done_at) - received, 4),
                 attempts=r.attempts,
                 already_loaded=not r.newly,
             )

@@ -229,3 +229,6 @@ def test_probe_catches_a_replica_serving_the_base_under_the_adapters_name(vllm_r
     assert all(v.result == "pass" for v in after.values()), after
     failed = [e for e in events.read_all(store) if e["kind"] == events.PROBE_FAILED and e.get("lora_name") == name]
     assert [e["replica"] for e in failed] == [bad.replica_id] and failed[0]["result"] == "base_weights"
+    # where the fan-out's time went, per replica: the load's answer, then the probe (the benchmark reads both)
+    loaded = [e for e in events.read_all(store) if e["kind"] == events.LOADED and e.get("lora_name") == name]
+    assert loaded and all(0 < e["load_s"] < e["seconds"] for e in loaded), loaded
