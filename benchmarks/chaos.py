@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,24 +102,52 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, chaos: Chaos) 
 
 
 def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: float = 120) -> dict[str, Any]:
-    """One chaos run of `minutes` (after the first replica is up); returns the audit and the schedule's effects."""
+    """One chaos run of `minutes` (after the first replica is up); returns the audit and the schedule's effects.
+
+    Every process it starts is stopped before it returns or raises, a SIGTERM to this process included."""
     os.makedirs(logs := os.path.join(workdir, "logs"), exist_ok=True)
     server = start_loopback_s3(os.path.join(logs, "s3-server.log"))
-    faults = FaultyS3(server.endpoint, rate=FAULT_RATE, seed=seed, hold_s=READ_TIMEOUT_S + 1, kinds=FAULT_KINDS)
-    bucket = f"s3://brigade-chaos/run-{seed}"
     direct = {**LOOPBACK_CREDENTIALS, "BRIGADE_S3_ENDPOINT_URL": server.endpoint}
     saved = {k: os.environ.get(k) for k in direct}
     os.environ.update(direct)  # this process reads the bucket without faults
-    env = {**direct, "BRIGADE_S3_ENDPOINT_URL": faults.endpoint, "BRIGADE_S3_READ_TIMEOUT_S": str(READ_TIMEOUT_S)}
-    # Temporary folders (a replica's adapter cache) under the run's folder: a SIGKILLed sidecar cannot remove its own.
-    os.makedirs(env.setdefault("TMPDIR", os.path.join(workdir, "tmp")), exist_ok=True)
+    main = threading.current_thread() is threading.main_thread()  # signals are handled there only
+    on_term = signal.signal(signal.SIGTERM, _interrupt) if main else None  # a `kill` still stops every job
+    try:
+        return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, on_term)
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(
+    minutes: float, seed: int, model_dir: str, workdir: str, logs: str, endpoint: str, grace_s: float
+) -> dict[str, Any]:
+    faults = FaultyS3(endpoint, rate=FAULT_RATE, seed=seed, hold_s=READ_TIMEOUT_S + 1, kinds=FAULT_KINDS)
+    bucket = f"s3://brigade-chaos/run-{seed}"
+    env = {
+        **LOOPBACK_CREDENTIALS,
+        "BRIGADE_S3_ENDPOINT_URL": faults.endpoint,
+        "BRIGADE_S3_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+        # Temporary folders (a replica's adapter cache) in the run's folder: a SIGKILLed sidecar leaves its own.
+        "TMPDIR": os.path.join(workdir, "tmp"),
+    }
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     config = _config(bucket, model_dir, workdir)
-    cfg_path = write_config(config, workdir)
-    chaos = Chaos(config, cfg_path, logs, Store(bucket), env, random.Random(seed))
+    chaos = Chaos(config, write_config(config, workdir), logs, Store(bucket), env, random.Random(seed))
     t0 = time.monotonic()
     try:
         create_bucket(bucket)
-        init = [sys.executable, "-m", "infra.cli", "init", "--config", cfg_path]
+        init = [sys.executable, "-m", "infra.cli", "init", "--config", chaos.cfg_path]
         subprocess.run(init, check=True, env={**os.environ, **env}, capture_output=True, timeout=120)
         chaos.start("replica", "replica-0", "launch")
         chaos.start("trainer", "trainer", "launch")  # loads its model meanwhile; needs no replica
@@ -126,33 +155,26 @@ def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: 
         chaos.start("proxy", "proxy", "launch")
         chaos.start("rollout", "rollout", "launch")
         _wait("the first shard", lambda: chaos.progressed("rollout"), 180, chaos)
-        result = _drive(chaos, plan(minutes, seed), minutes * 60, grace_s)
+        unperformed = _drive(chaos, plan(minutes, seed), minutes * 60, grace_s)
     finally:
         chaos.stop_all()
         faults.close()
-    try:
-        checked = audit.audit(chaos.store)
-        evs = events.read_all(chaos.store)
-        shards = read_shards(chaos.store, {})
-        restarts = [
-            {
-                "name": i.name,
-                "after": i.after,
-                "at_s": round(i.started - chaos.incarnations[0].started, 1),
-                "progress": audit.progress_after(
-                    chaos.store, i.kind, i.name, i.started + (PROXY_PROGRESS_MARGIN_S if i.kind == "proxy" else 0), evs
-                ),
-            }
-            for i in chaos.incarnations
-            if i.after != "launch"
-        ]
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    checked = audit.audit(chaos.store)
+    evs = events.read_all(chaos.store)
+    shards = read_shards(chaos.store, {})
+    t_first = chaos.incarnations[0].started
+    restarts = [
+        {
+            "name": i.name,
+            "after": i.after,
+            "at_s": round(i.started - t_first, 1),
+            "progress": audit.progress_after(
+                chaos.store, i.kind, i.name, i.started + (PROXY_PROGRESS_MARGIN_S if i.kind == "proxy" else 0), evs
+            ),
+        }
+        for i in chaos.incarnations
+        if i.after != "launch"
+    ]
     return {
         "minutes": minutes,
         "seed": seed,
@@ -163,9 +185,9 @@ def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: 
         "s3_requests": faults.requests,
         **{k: v for k, v in checked.items() if k != "joins"},
         "restarts": restarts,
-        "actions": [_effects(a, evs, shards, chaos.incarnations[0].started) for a in chaos.actions],
+        "actions": [_effects(a, evs, shards, t_first) for a in chaos.actions],
         "joins": checked["joins"],
-        "unperformed": result["unperformed"],
+        "unperformed": unperformed,
         "wall_s": round(time.monotonic() - t0, 1),
         "logs": logs,
     }
@@ -189,7 +211,7 @@ def _registered(chaos: Chaos) -> bool:
     return any(r.replica_id == "replica-0" for r in replicas.list_replicas(chaos.store))
 
 
-def _drive(chaos: Chaos, todo: list[Action], span_s: float, grace_s: float) -> dict[str, Any]:
+def _drive(chaos: Chaos, todo: list[Action], span_s: float, grace_s: float) -> list[str]:
     """Apply the schedule for `span_s` (an action not yet possible then gets `grace_s` more), then wait (at most
     `grace_s`) for every job to progress since its last start."""
     start = time.monotonic()
@@ -212,7 +234,7 @@ def _drive(chaos: Chaos, todo: list[Action], span_s: float, grace_s: float) -> d
         if all(chaos.progressed(n) for n, j in chaos.jobs.items() if j.running()):
             break
         time.sleep(2)
-    return {"unperformed": [f"{a.op} {a.kind} at {a.at_s:.0f}s" for a in todo]}
+    return [f"{a.op} {a.kind} at {a.at_s:.0f}s" for a in todo]  # actions whose moment never came
 
 
 def main(argv: list[str] | None = None) -> int:
