@@ -35,6 +35,7 @@ log = logging.getLogger("brigade.chaos")
 
 KINDS = ("trainer", "rollout", "proxy", "replica")
 PROXY_PROGRESS_MARGIN_S = 2.0  # a group finished this long after a proxy restart went through the new proxy
+MIN_GAP_S = 10.0  # between two kills or leaves: the proxy ejects a killed replica within a few seconds
 REJOIN_MIN_LEFT_S = 120.0  # a replica that left rejoins only if the run has this long left to see it serve
 
 
@@ -178,10 +179,11 @@ class Chaos:
         return False
 
     def serving(self) -> list[str]:
-        """Replicas the proxy admitted since their last start and has not ejected or dropped since."""
+        """Replicas the proxy admitted since their last start and its own, and has not ejected or dropped since
+        (a restarted proxy admits every replica again: until then none receives traffic)."""
         out = []
         for name in self.replicas():
-            since, state = self.last_start(name), False
+            since, state = max(self.last_start(name), self.last_start("proxy")), False
             for e in self.events_seen:
                 if e["ts"] <= since or e.get("replica") != name:
                     continue
@@ -195,7 +197,10 @@ class Chaos:
 
     # -- the schedule -------------------------------------------------------------------------------
     def ready(self, act: Action) -> bool:
-        """Whether `act` makes sense now: a job is killed again only after it progressed since its last start."""
+        """Whether `act` makes sense now: a job is killed again only after it progressed since its last start,
+        and no action comes within MIN_GAP_S of the previous one (its effect shows in the bucket first)."""
+        if self.actions and time.time() - self.actions[-1]["ts"] < MIN_GAP_S:
+            return False
         if act.op == "add":
             return True
         if act.kind != "replica":
