@@ -175,7 +175,7 @@ def _run(
         for i in chaos.incarnations
         if i.after != "launch"
     ]
-    return {
+    result = {
         "minutes": minutes,
         "seed": seed,
         "kills": chaos.kills,
@@ -191,6 +191,9 @@ def _run(
         "wall_s": round(time.monotonic() - t0, 1),
         "logs": logs,
     }
+    with open(os.path.join(workdir, "result.json"), "w") as f:  # beside the logs, for reading a run afterwards
+        json.dump(result, f, indent=1)
+    return result
 
 
 def _effects(act: dict[str, Any], evs: list[dict[str, Any]], shards: list[ShardRead], t0: float) -> dict[str, Any]:
