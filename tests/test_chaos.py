@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.chaos import run_chaos
 from infra.audit import MUST_BE_ZERO
-from infra.chaos import KINDS
+from infra.chaos import KINDS, plan
 
 MINUTES, SEED = 3.0, 7
 
@@ -61,3 +61,14 @@ def test_a_killed_replica_is_ejected_and_its_work_goes_elsewhere_a_stopped_one_l
     for a in left:  # it deregistered, drained, stopped; the proxy dropped it as gone
         assert {"replica_stopped", "replica_removed"} <= set(a["events"]), a
         assert a["served_by_others"], a
+
+
+def test_the_schedule_is_seeded_and_kills_every_job_kind():
+    """No run needed: the same seed gives the same schedule, every kind killed, longer runs kill more."""
+    assert plan(3, SEED) == plan(3, SEED) != plan(3, SEED + 1)
+    for minutes in (3, 10, 30):
+        acts = plan(minutes, SEED)
+        assert {a.kind for a in acts if a.op == "kill"} >= set(KINDS)
+        assert [a.op for a in acts].count("add") == 1 and [a.op for a in acts].count("term") == 1
+        assert all(0 < a.at_s < minutes * 60 for a in acts) and acts == sorted(acts)
+    assert len(plan(30, SEED)) > len(plan(3, SEED))
