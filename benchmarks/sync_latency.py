@@ -15,6 +15,7 @@ Read back from the run's events through bucket/timeline.py, per bucket:
   detect_p50_s, fanout_p50_s    where the time goes: committed -> noticed, and the proxy's fan-out
   replica_load_p50_s, replica_probe_p50_s   inside the fan-out, per replica: vLLM's answer to the load, then
                                 the served-policy probe (loaded replicas' `load_s` and `seconds` events)
+  mirror_p50_s                  S3 only: committed -> copied into a replica's mirror
 
 All stages are on this one machine's clock. The last line printed is one JSON
 object with keys `local` and `s3`.
@@ -63,7 +64,11 @@ def latencies(store: Store) -> dict[str, Any]:
     detect = [v.at["detected"] - v.at["committed"] for v in published if "detected" in v.at]
     fanout = [v.fanout_s for v in published if v.fanout_s is not None]
     # Inside the fan-out, per replica: the load's answer, then the canary probe (proxy/fanout.py's load_s)
-    loads = [e for e in events.read_all(store) if e["kind"] == events.LOADED and "load_s" in e]
+    evs = events.read_all(store)
+    loads = [e for e in evs if e["kind"] == events.LOADED and "load_s" in e]
+    # object stores: committed -> copied into each replica's mirror (what the load waits for)
+    copies = [e for e in evs if e["kind"] == events.ADAPTER_MIRRORED and e.get("committed_at")]
+    mirrored = [e["ts"] - e["committed_at"] for e in copies]
     load_s = [e["load_s"] for e in loads]
     probe_s = [e["seconds"] - e["load_s"] for e in loads]
 
@@ -79,6 +84,7 @@ def latencies(store: Store) -> dict[str, Any]:
         "fanout_p50_s": rounded(statistics.median(fanout)) if fanout else None,
         "replica_load_p50_s": rounded(statistics.median(load_s)) if load_s else None,
         "replica_probe_p50_s": rounded(statistics.median(probe_s)) if probe_s else None,
+        "mirror_p50_s": rounded(statistics.median(mirrored)) if mirrored else None,
         "first_version_s": rounded(published[0].commit_to_all_loaded_s) if published else None,
         "versions_published": len(published),
         "versions_loaded_on_all": len(sync),

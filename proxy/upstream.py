@@ -14,9 +14,12 @@ from bucket.replicas import ReplicaInfo
 from proxy.config import ProxyConfig
 from proxy.lora_paths import ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, error_message, replica_path
 
-# Retry of "No adapter found": start fast (a local mirror catches up in well
-# under a second), back off so a lagging mount is not hammered.
-RETRY_FIRST_S = 0.1
+# Retry of "No adapter found": every 50 ms for the first second (a replica's
+# mirror copies a version 0.1-0.4 s after its commit, and vLLM answers a
+# missing folder in a millisecond; a doubling delay from 0.1 s measured
+# 0.51 s p50 per load on S3), then back off so a lagging mount is not hammered.
+RETRY_FIRST_S = 0.05
+RETRY_FLAT_S = 1.0
 RETRY_MAX_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 
@@ -117,7 +120,7 @@ class Upstream:
             "lora_path": replica_path(info.adapter_root, ad.version_dir),
             "load_inplace": False,
         }
-        delay, attempts = RETRY_FIRST_S, 0
+        delay, attempts, started = RETRY_FIRST_S, 0, time.monotonic()
         while True:
             attempts += 1
             try:
@@ -141,7 +144,8 @@ class Upstream:
             now = time.monotonic()
             if resp.status_code == 404 and NOT_FOUND_ON_DISK in text and now < deadline:
                 await asyncio.sleep(min(delay, deadline - now))
-                delay = min(delay * 2, RETRY_MAX_S)
+                if now - started >= RETRY_FLAT_S:
+                    delay = min(delay * 2, RETRY_MAX_S)
                 continue
             reason = error_message(text)
             if resp.status_code == 404 and NOT_FOUND_ON_DISK in text:
