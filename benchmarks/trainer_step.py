@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "--token-budget",
         type=int,
         default=0,
-        help="tokens per micro-batch; 0 = the trainer's default (from the GPU's free memory; 1024 on CPU)",
+        help="tokens per micro-batch; 0 = the trainer's default (from the GPU's free memory; 2048 on CPU)",
     )
     p.add_argument("--steps", type=int, default=5, help="timed packed steps (after two warm-ups on GPU, one on CPU)")
     p.add_argument("--reference-steps", type=int, default=2, help="timed reference steps (after one warm-up); 0 = skip")

@@ -16,13 +16,14 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import selective_log_softmax
 
 from bucket.manifest import RunSpec
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
 from trainer.model import Rank1LoraLinear, use_rank1_lora, wrap_lora
-from trainer.packing import PACKED_ATTENTION, pack
+from trainer.packing import PACKED_ATTENTION, FullVocabLogProbs, pack
 
 VOCAB = 97
 SMALL = dict(
@@ -272,3 +273,23 @@ def test_rank1_lora_forward_equals_peft():
     assert out[True][1].keys() == out[False][1].keys() and out[True][1]
     for name in out[True][1]:
         torch.testing.assert_close(out[True][1][name], out[False][1][name], rtol=1e-4, atol=1e-6)
+
+
+def test_full_vocab_logprobs_equal_trl_chunked():
+    """The CPU's whole-vocabulary log-softmax gives TRL's chunked function's logprobs, entropy and gradient."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(70, 16, generator=g)
+    w = torch.randn(300, 16, generator=g)
+    targets = torch.randint(0, 300, (70,), generator=g)
+    upstream = torch.randn(70, generator=g)
+    out = []
+    for fn in ("full", "chunked"):
+        x = h.clone().requires_grad_()
+        if fn == "full":
+            logp, entropy = FullVocabLogProbs.apply(x, w, targets)
+        else:
+            logp, entropy, *_ = ChunkedLogProbFunction.apply(x, w, None, targets, 1.0, 64, None, 1.0, ("entropy",))
+        (logp * upstream).sum().backward()
+        out.append((logp.detach(), entropy.detach(), x.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b)

@@ -54,7 +54,7 @@ class TrainerConfig(BaseModel):
         description="Tokens per packed micro-batch (prompts shared by their completions, no padding); a longer "
         "single sequence gets a micro-batch of its own. 0 = on cuda, the largest power of two (4096-65536) whose "
         "activations fit in 85 % of the GPU memory left free by the model (32768 for Qwen2.5-1.5B on an H200, "
-        "16384 on an 80 GB GPU); 1024 on cpu.",
+        "16384 on an 80 GB GPU); 2048 on cpu.",
     )
     groups_per_step: int = Field(
         4, ge=1, description="Prompt groups (each num_generations completions) per optimizer step."

@@ -295,11 +295,52 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+# On a CPU in fp32, a row's [N, vocab] probabilities are kept for the backward when they are at most this many
+# values (1 GiB), instead of recomputing the logits tile by tile in the backward.
+FULL_VOCAB_MAX = 2**28
+FULL_VOCAB_CHUNK = 1024  # positions per logits product (bounds the forward's temporaries)
+
+
+class FullVocabLogProbs(torch.autograd.Function):
+    """log p of each target and the entropy (not differentiated) from [N, vocab] logits = h W^T, computed
+    FULL_VOCAB_CHUNK positions at a time; the probabilities are kept for the backward, which is then one
+    matrix product: d log p_t / d logits = onehot(t) - p. Against TRL's chunked function this saves the
+    backward's recomputation of the logits (a third of the LM head's products) and its per-tile passes, for
+    one row's [N, vocab] in memory: the CPU's choice, where the LM head is a large share of the step and rows
+    are short. The LM head's weight is frozen (no gradient for it)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+        n = h.shape[0]
+        probs = h.new_empty(n, weight.shape[0])
+        logp, entropy = h.new_empty(n), h.new_empty(n)
+        for s in range(0, n, FULL_VOCAB_CHUNK):
+            e = min(s + FULL_VOCAB_CHUNK, n)
+            z = torch.mm(h[s:e], weight.t())
+            z.sub_(torch.logsumexp(z, -1, keepdim=True))  # log p
+            logp[s:e] = z.gather(1, targets[s:e, None])[:, 0]
+            p = torch.exp(z, out=probs[s:e])
+            entropy[s:e] = -z.mul_(p).sum(-1)
+        ctx.save_for_backward(probs, weight, targets)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor | None, _grad_entropy: torch.Tensor | None):
+        if grad_logp is None:
+            return None, None, None
+        probs, weight, targets = ctx.saved_tensors
+        grad = probs.mul_(-grad_logp[:, None])  # the probabilities are not needed again: reuse their memory
+        grad.scatter_add_(1, targets[:, None], grad_logp[:, None])
+        return grad @ weight, None, None
+
+
 def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """log p (under each sequence's sampling temperature) of every trained token of the row, and the entropy there.
 
     The LM head runs through TRL's chunked log-softmax: tiles of the vocabulary at a time, so the
-    [N, vocab] logits are never materialised, in fp32 or otherwise, and its backward recomputes them.
+    [N, vocab] logits are never materialised, in fp32 or otherwise, and its backward recomputes them. On a
+    CPU in fp32, a row whose [N, vocab] fits in FULL_VOCAB_MAX goes through FullVocabLogProbs instead.
     """
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
@@ -317,8 +358,10 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
         ).last_hidden_state[0]
         # logits / T = (h / T) @ W^T: the temperature goes on the hidden states, one per token
         h = hidden.index_select(0, mb.predict) * mb.inv_temperature[:, None].to(hidden.dtype)
+        w = head.weight
+        cpu_fp32 = h.device.type == "cpu" and h.dtype == w.dtype == torch.float32
+        if cpu_fp32 and not w.requires_grad and h.shape[0] * w.shape[0] <= FULL_VOCAB_MAX:
+            return FullVocabLogProbs.apply(h, w, mb.targets)
         tile = VOCAB_TILE.get(h.device.type, 8192)
-        logp, entropy, *_ = ChunkedLogProbFunction.apply(
-            h, head.weight, None, mb.targets, 1.0, tile, None, 1.0, ("entropy",)
-        )
+        logp, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, mb.targets, 1.0, tile, None, 1.0, ("entropy",))
     return logp, entropy
