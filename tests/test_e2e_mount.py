@@ -397,12 +397,13 @@ def hosts_run(hosts, tmp_path_factory, model_dir):
 
     Each job is started on its own, as on separate machines; the run ends when the trainer is done and
     the rollout worker has seen it. T's reach into R is probed while R's servers are up."""
-    net, on_mount, via_s3, bucket = hosts
+    net, on_mount, _, bucket = hosts
     work = tmp_path_factory.mktemp("hostsrun")
     logs = work / "logs"
     logs.mkdir()
     folder = os.path.join(os.path.dirname(on_mount.root), "e2e")
     s3_url = f"s3://{bucket}/e2e"
+    via_s3 = Store(s3_url)  # the test's own view, over its link to B
     cfg = str(work / "run.toml")
     _job_config(s3_url, str(work), model_dir, cfg)
     base_env = _without_s3_settings(dict(os.environ))
@@ -456,7 +457,7 @@ def hosts_run(hosts, tmp_path_factory, model_dir):
                 *("--replica.cpu-threads", str(i % (os.cpu_count() or 1))),
             )
         deadline = time.monotonic() + 420
-        while {r.replica_id for r in replicas.list_replicas(Store(s3_url))} != ids:
+        while {r.replica_id for r in replicas.list_replicas(via_s3)} != ids:
             check_alive()
             assert time.monotonic() < deadline, "replicas did not register within 420 s\n" + "\n".join(
                 jobs[n].tail() for n in sorted(ids)
@@ -489,7 +490,7 @@ def hosts_run(hosts, tmp_path_factory, model_dir):
         # The rollout worker stops by itself once it sees trainer/DONE.json (through the mount).
         jobs["rollout"].proc.wait(300)
         check_alive()
-        return HostsRun(jobs, isolation, ip_forward_b, folder, Store(s3_url), time.monotonic() - started)
+        return HostsRun(jobs, isolation, ip_forward_b, folder, via_s3, time.monotonic() - started)
     finally:
         for name in ("rollout", "trainer", "proxy", *(f"replica-{i}" for i in range(NUM_REPLICAS))):
             if name in jobs:
@@ -523,6 +524,7 @@ def test_a_run_across_isolated_hosts_trains_exactly_once_checked_through_the_s3_
     assert set(loaded) <= set(adapters.committed_versions(store))
     assert len([v for v, rs in loaded.items() if rs == replica_ids]) >= STEPS // SYNC - 1, dict(loaded)
     check_exactly_once(store)
+    print(f"isolated hosts: {hosts_run.wall_s:.0f} s, loaded {dict(loaded)}, T -> R {hosts_run.isolation['T']}")
     # every job ended cleanly: the trainer and the worker by themselves, the servers on SIGTERM
     assert {n: j.proc.returncode for n, j in hosts_run.jobs.items() if n in ("trainer", "rollout")} == {
         "trainer": 0,
