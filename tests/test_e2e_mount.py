@@ -94,6 +94,15 @@ def _free_subnet() -> int:
     raise RuntimeError("no free 10.X.0.0/16 for the test's hosts")
 
 
+# Run with `python -c` inside a host: writes argv[2] (if given) to the file argv[1], then prints it.
+SYSCTL = """
+import sys
+if len(sys.argv) > 2:
+    open(sys.argv[1], "w").write(sys.argv[2])
+print(open(sys.argv[1]).read())
+"""
+
+
 @dataclass
 class Hosts:
     """Three network namespaces B (S3), T (trainer), R (rollout side), and how to start processes in them."""
@@ -145,14 +154,10 @@ class Hosts:
         self.sysctl("B", "net.ipv4.conf.all.forwarding", "0")
 
     def sysctl(self, host: str, key: str, value: str | None = None) -> str:
-        arg = [f"{key}={value}"] if value is not None else [key]
-        proc = subprocess.run(
-            self.enter(host, ["sysctl", "-n", *(["-w"] if value is not None else []), *arg]),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
+        """Read (or write) a net sysctl of `host`: /proc/sys/net shows the reading process's network namespace."""
+        path = "/proc/sys/" + key.replace(".", "/")
+        argv = [sys.executable, "-c", SYSCTL, path, *([value] if value is not None else [])]
+        proc = subprocess.run(self.enter(host, argv), capture_output=True, text=True, timeout=30, check=True)
         return proc.stdout.strip()
 
     def kill_leftovers(self) -> None:
