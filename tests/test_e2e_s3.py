@@ -7,10 +7,10 @@ the request took effect), which every job must ride out: 2 vLLM replicas that ge
 through their mirror (vLLM loads local paths only), the proxy, a rollout
 worker and the trainer. Every check reads the bucket through the S3 API.
 
-Named to sort right after test_e2e_local.py: the run finishes inside its
-fixture, so no vLLM server of it is left when the tests that share
-session-wide replicas start (only one set of vLLM servers at a time on a
-2-core machine).
+Named to sort before test_eval.py, the first test of the session-wide
+replicas: the run finishes inside its fixture, so no vLLM server of it is
+left when they start (only one set of vLLM servers at a time on a 2-core
+machine).
 """
 
 from __future__ import annotations
