@@ -73,12 +73,10 @@ class ProxyConfig(BaseModel):
         5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
     )
     canary_positions: int = Field(
-        8,
+        16,
         ge=1,
         description="Served-policy probe: canary positions asked for, those where the version departs most from "
-        "the base (each is one prompt's prefill on the replica). The shift weighs positions by their departure "
-        "squared, so the top 8 carry nearly all of it: an early version measured shift 0.62 served right and -0.18 "
-        "served as the base with 8, 0.49-0.71 and -0.21 with 16, at half the probe's prefill.",
+        "the base (each is one prompt's prefill on the replica).",
     )
     canary_min_gap: float = Field(
         0.03,
