@@ -11,7 +11,6 @@ import statistics
 from typing import Any
 
 from bucket import checkpoints, events
-from bucket.manifest import read_manifest
 from bucket.progress import read_done
 from bucket.rollouts import read_shards
 from bucket.settings import open_bucket
@@ -86,8 +85,7 @@ def summarize(store: Store) -> dict[str, Any]:
     samples = sum(e["samples"] for e in steps)
     # TRL's count: every sample of the step's groups, those with equal rewards included (TRL runs them
     # through forward and backward with zero advantage; brigade sets them aside before the forward pass).
-    group_size = read_manifest(store).num_generations if steps else 0
-    consumed = samples + group_size * sum(e.get("skipped_zero_variance", 0) for e in steps)
+    consumed = sum(e.get("samples_consumed", e["samples"]) for e in steps)
     train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
     latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
     return {

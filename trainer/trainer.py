@@ -152,6 +152,8 @@ class Trainer:
                 "perf/micro_batches": len(planned),
                 "perf/tok_s": sum(row_tokens(r) for r in planned) / step_s if step_s > 0 else 0.0,
                 "samples": sum(len(groups[i].samples) for i in keep),
+                # every sample of the step's groups, equal-reward ones included: TRL's count of trained samples
+                "samples_consumed": sum(len(g.samples) for g in groups),
             }
         )
         m["perf/samples_per_s"] = m["samples"] / step_s if step_s > 0 else 0.0

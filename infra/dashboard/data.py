@@ -287,6 +287,7 @@ class RunData:
         ]
         rewards = [e["reward"] for e in steps]
         samples = sum(e["samples"] for e in steps)
+        consumed = sum(e.get("samples_consumed", e["samples"]) for e in steps)  # TRL's count (summary.py)
         train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
         quarter = max(1, len(rewards) // 4)
         latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
@@ -295,6 +296,7 @@ class RunData:
             "steps": len(steps),
             "trained_samples": samples,
             "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
+            "consumed_samples_per_s": consumed / train_wall if train_wall > 0 else 0.0,
             "mean_reward": statistics.fmean(rewards) if rewards else None,
             "reward_first_steps": statistics.fmean(rewards[:quarter]) if rewards else None,
             "reward_last_steps": statistics.fmean(rewards[-quarter:]) if rewards else None,

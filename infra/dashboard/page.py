@@ -102,7 +102,10 @@ def figures(s: dict[str, Any]) -> str:
         + fig(
             "trained samples/s",
             _metric("trained_samples_per_s", s["trained_samples_per_s"], _f(s["trained_samples_per_s"], ".2f")),
-            _metric("trained_samples", s["trained_samples"], str(s["trained_samples"])) + " samples",
+            _metric("trained_samples", s["trained_samples"], str(s["trained_samples"]))
+            + " samples; "
+            + _metric("consumed_samples_per_s", s["consumed_samples_per_s"], _f(s["consumed_samples_per_s"], ".2f"))
+            + "/s with equal-reward groups, as TRL counts",
         )
         + fig(
             "mean reward",
