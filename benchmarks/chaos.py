@@ -46,7 +46,7 @@ from infra.config import Config, load
 from infra.local import write_config
 from infra.prepare_model import prepare_model
 from infra.s3faults import INTERNAL, LOST, SLOWDOWN, TIMEOUT, FaultyS3
-from infra.s3server import LOOPBACK_CREDENTIALS, create_bucket, listen_ports, start_loopback_s3
+from infra.s3server import LOOPBACK_CREDENTIALS, create_bucket, environment, listen_ports, start_loopback_s3
 
 log = logging.getLogger("brigade.chaos")
 
@@ -107,22 +107,15 @@ def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: 
     Every process it starts is stopped before it returns or raises, a SIGTERM to this process included."""
     os.makedirs(logs := os.path.join(workdir, "logs"), exist_ok=True)
     server = start_loopback_s3(os.path.join(logs, "s3-server.log"))
-    direct = {**LOOPBACK_CREDENTIALS, "BRIGADE_S3_ENDPOINT_URL": server.endpoint}
-    saved = {k: os.environ.get(k) for k in direct}
-    os.environ.update(direct)  # this process reads the bucket without faults
     main = threading.current_thread() is threading.main_thread()  # signals are handled there only
     on_term = signal.signal(signal.SIGTERM, _interrupt) if main else None  # a `kill` still stops every job
     try:
-        return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s)
+        with environment(server.env):  # this process reads the bucket without faults
+            return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s)
     finally:
         if main:
             signal.signal(signal.SIGTERM, on_term)
         server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _interrupt(signum: int, frame: object) -> None:

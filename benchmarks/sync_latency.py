@@ -39,7 +39,7 @@ from bucket.store import Store
 from bucket.timeline import Timeline
 from infra.config import load
 from infra.local import run as run_local
-from infra.s3server import create_bucket, listen_ports, start_loopback_s3
+from infra.s3server import create_bucket, environment, listen_ports, start_loopback_s3
 
 BUCKETS = ("local", "s3")
 
@@ -98,20 +98,13 @@ def bucket_for(kind: str, tmp: str) -> Iterator[str]:
         yield os.path.join(tmp, "bucket")
         return
     server = start_loopback_s3(os.path.join(tmp, "s3-server.log"))
-    saved = {k: os.environ.get(k) for k in (*server.env, "AWS_ENDPOINT_URL")}
-    os.environ.update(server.env)
-    os.environ.pop("AWS_ENDPOINT_URL", None)
     try:
-        url = "s3://brigade-bench/run"
-        create_bucket(url)
-        yield url
+        with environment(server.env, unset=("AWS_ENDPOINT_URL",)):
+            url = "s3://brigade-bench/run"
+            create_bucket(url)
+            yield url
     finally:
         server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_one(kind: str, versions: int, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from bucket.settings import ConfigError
@@ -121,6 +123,23 @@ def use_loopback_s3(server: LoopbackS3) -> None:
             os.environ[key] = value
     # AWS_ENDPOINT_URL would not be consulted while ours is set, but would confuse anyone reading the env.
     os.environ.pop("AWS_ENDPOINT_URL", None)
+
+
+@contextmanager
+def environment(values: dict[str, str], unset: tuple[str, ...] = ()) -> Iterator[None]:
+    """This process's environment with `values` set and `unset` removed, as it was again after the block."""
+    saved = {k: os.environ.get(k) for k in (*values, *unset)}
+    os.environ.update(values)
+    for k in unset:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def create_bucket(url: str) -> None:
