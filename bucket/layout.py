@@ -14,6 +14,7 @@ trainer/LATEST.json                        trainer, after the checkpoint
 trainer/progress.json                      trainer, every step: its cursors (rollout workers' backpressure)
 trainer/DONE.json                          trainer, when it reached max_steps
 rollout_workers/<worker>/data_cursor.json  rollout worker, after every shard: where it is in its prompts
+proxy/live.json                            proxy, when its live adapters change; read by replica mirrors
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CHECKPOINT_LATEST = "trainer/LATEST.json"
 TRAINER_PROGRESS = "trainer/progress.json"
 TRAINER_DONE = "trainer/DONE.json"
 ROLLOUT_WORKERS = "rollout_workers"
+PROXY_LIVE = "proxy/live.json"
 
 
 def version_dir(version: int) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from bucket import adapters, events, layout
+from bucket import adapters, events, layout, live
 from bucket.canary import read_canary
 from bucket.replicas import ReplicaInfo
 from proxy import adapter_import
@@ -49,6 +49,31 @@ class AdapterFanout:
         self.on_load_failed: Callable[[str], None] = lambda why: None  # ends a pause (a client may never resume)
         self.prober = CanaryProbe(state, upstream, events)
         self.imported: dict[str, adapter_import.Imported] = {}  # client adapter folders made versions, by name
+        self._live_dirty = False
+        self._live_task: asyncio.Task | None = None
+        state.loaded_changed = self.publish_live
+
+    def publish_live(self) -> None:
+        """Tell the replicas' mirrors which versions are live (bucket/live.py), off the load's critical path."""
+        self._live_dirty = True
+        if self._live_task is None or self._live_task.done():
+            self._live_task = asyncio.get_running_loop().create_task(self._write_live())
+
+    async def _write_live(self) -> None:
+        """Write the newest set until it is written; a failed write is retried (the mirrors' own window holds
+        meanwhile), and changes made during a write are written next."""
+        backoff = 0.5
+        while self._live_dirty:
+            self._live_dirty = False
+            versions = [ad.version for ad in self.state.loaded.values()]
+            try:
+                await asyncio.to_thread(live.write_live, self.state.store, versions)
+                backoff = 0.5
+            except Exception as exc:  # noqa: BLE001 - any bucket failure: retry, never into the load path
+                log.warning("could not write %s (retrying in %.1fs): %s", layout.PROXY_LIVE, backoff, exc)
+                self._live_dirty = True
+                await asyncio.sleep(backoff)
+                backoff = min(30.0, backoff * 2)
 
     async def probe_joiner(self, info: ReplicaInfo) -> str | None:
         """Before a joiner gets traffic: the canary probe of every loaded version (None = it serves them all)."""
@@ -181,6 +206,7 @@ class AdapterFanout:
                 )
             else:
                 state.loaded[ad.lora_name] = ad
+                state.loaded_changed()
         seconds = time.monotonic() - received
         if failed:
             return await self._load_failed(ad, results, failed, rolled_back, seconds, started_at)
@@ -307,6 +333,8 @@ class AdapterFanout:
             # Forgotten even if a replica did not answer: joiners must not get it again, and a retried
             # unload counts that replica's 404 as success.
             ad = self.state.loaded.pop(name, None)
+            if ad is not None:
+                self.state.loaded_changed()
         failed = [r for r in results if not r.ok]
         await self.events.emit(
             events.UNLOADED,

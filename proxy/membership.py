@@ -335,3 +335,4 @@ class Membership:
                 continue
             loaded[name] = AdapterRef(name, version, vdir, read_canary(marker))
             log.info("adopted adapter %s (%s) already served by %s", name, vdir, info.replica_id)
+            self.state.loaded_changed()

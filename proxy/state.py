@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bucket.manifest import RunManifest
@@ -35,6 +36,8 @@ class ProxyState:
     # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the
     # replicas run in vLLM's dev mode), set again by /resume, a failed load, or the pause lease running out.
     dispatching: asyncio.Event = field(default_factory=asyncio.Event)
+    # Called after `loaded` changed: the fan-out writes the live versions for the replicas' mirrors (bucket/live.py).
+    loaded_changed: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
         self.dispatching.set()

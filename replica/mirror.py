@@ -10,7 +10,8 @@ and renamed into place. vLLM therefore never reads a partial adapter; until
 the rename, a load gets "No adapter found", which the proxy retries.
 
 Cost per poll is one small read (adapters/LATEST.json) however many versions
-the run has published; no listing.
+the run has published, plus the proxy's live list (proxy/live.json) once a
+second; no listing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from bucket import adapters, layout
+from bucket import adapters, layout, live
 from bucket.store import TEMP_PREFIX, BucketError, Store
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,10 @@ class AdapterMirror:
     `window` is how many versions behind the newest a replica may be asked to
     load in the normal course (the staleness window plus margin); `keep`
     (twice that by default) is what is fetched on the first sync and kept on
-    disk: older versions are deleted to bound disk use.
+    disk: older versions are deleted to bound disk use. Versions the proxy
+    lists as live (bucket/live.py, read every `live_every_s`) are fetched and
+    kept whatever their age: a joining replica must hold every one of them
+    before the proxy lets traffic in.
     """
 
     def __init__(
@@ -51,12 +55,16 @@ class AdapterMirror:
         window: int,
         keep: int | None = None,
         on_mirrored: Callable[[int, float], None] | None = None,
+        live_every_s: float = 1.0,
     ):
         self.store = store
         self.cache_dir = os.path.abspath(cache_dir)
         self.window = window
         self.keep = keep if keep is not None else 2 * (window + 1)
         self.on_mirrored = on_mirrored
+        self.live_every_s = live_every_s
+        self._live: set[int] = set()
+        self._live_read_at = -float("inf")
         self._seen_latest: int | None = None
         self._retry: set[int] = set()
         self._bad: set[int] = set()
@@ -83,8 +91,9 @@ class AdapterMirror:
         # has not unloaded it yet) holds it. Replicas that were there all along keep the same range.
         # Later calls: only what LATEST moved past, plus versions that failed to copy.
         low = latest - self.keep if self._seen_latest is None else self._seen_latest + 1
+        live_now = self._live_versions()
         # Newest first: the version about to be loaded everywhere is the one that must not wait.
-        todo = sorted(set(range(max(1, low), latest + 1)) | self._retry, reverse=True)
+        todo = sorted(set(range(max(1, low), latest + 1)) | self._retry | live_now, reverse=True)
         self._retry = set()
         done = []
         for version in todo:
@@ -101,8 +110,16 @@ class AdapterMirror:
                 log.warning("mirroring adapter v%d failed (will retry): %s", version, exc)
                 self._retry.add(version)
         self._seen_latest = latest if self._seen_latest is None else max(self._seen_latest, latest)
-        self._prune(latest)
+        self._prune(latest, live_now)
         return sorted(done)
+
+    def _live_versions(self) -> set[int]:
+        """The proxy's live versions, read at most every `live_every_s` (one small object; on S3 a GET)."""
+        now = time.monotonic()
+        if now - self._live_read_at >= self.live_every_s:
+            self._live_read_at = now
+            self._live = set(live.read_live(self.store))
+        return self._live
 
     def mirror_version(self, version: int) -> bool:
         """Copy one version if it is committed; False for a number the trainer abandoned."""
@@ -125,9 +142,9 @@ class AdapterMirror:
             self.on_mirrored(version, float(marker.get("committed_at", 0.0)))
         return True
 
-    def _prune(self, latest: int) -> None:
+    def _prune(self, latest: int, keep_too: set[int]) -> None:
         for version in self.mirrored():
-            if version < latest - self.keep:
+            if version < latest - self.keep and version not in keep_too:
                 shutil.rmtree(self.path(version), ignore_errors=True)
 
     def _remove_temporaries(self, min_age_s: float = 600.0) -> None:

@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from bucket import adapters, events, layout
+from bucket import adapters, events, layout, live
 from bucket.manifest import RunSpec, init_or_check
 from bucket.replicas import ReplicaInfo, heartbeat, register
 from bucket.store import Store
@@ -235,6 +235,14 @@ def run(coro) -> Any:
 # -- adapter loads ------------------------------------------------------------------
 
 
+async def live_becomes(store, expected: list[int], timeout_s: float = 10.0) -> None:
+    """The proxy writes its live versions for the replicas' mirrors in the background: wait for `expected`."""
+    deadline = time.monotonic() + timeout_s
+    while live.read_live(store) != expected:
+        assert time.monotonic() < deadline, f"proxy/live.json lists {live.read_live(store)}, not {expected}"
+        await asyncio.sleep(0.02)
+
+
 def test_load_reaches_every_replica_with_its_own_path(tmp_path):
     """Fakes record the exact path each replica was told and report success instantly."""
     store, manifest = make_store(tmp_path)
@@ -247,6 +255,7 @@ def test_load_reaches_every_replica_with_its_own_path(tmp_path):
             assert resp.status_code == 200, resp.text
             assert resp.text.startswith("Success")
             assert proxy.loaded[manifest.lora_name(3)].version == 3
+            await live_becomes(store, [3])
 
     run(body())
     for f in fakes:
@@ -430,10 +439,12 @@ def test_unload_fans_out_and_404_counts_as_unloaded(tmp_path):
     async def body():
         async with running(store, manifest, config(fakes), fakes) as (proxy, client, _t):
             assert (await client.post("/v1/load_lora_adapter", json=load_body(manifest, 1))).status_code == 200
+            await live_becomes(store, [1])
             fakes[1].loaded.clear()
             resp = await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
             assert resp.status_code == 200, resp.text
             assert proxy.loaded == {}
+            await live_becomes(store, [])
 
     run(body())
     assert all(f.loaded == {} for f in fakes)
@@ -619,6 +630,7 @@ def test_restarted_proxy_adopts_adapters_the_replicas_serve(tmp_path):
         async with running(store, manifest, config(fakes), fakes) as (proxy, _c, _t):
             assert set(proxy.loaded) == {name}
             assert sorted(proxy.routable) == ["http://r0", "http://r1"]
+            await live_becomes(store, [5])
 
     run(body())
     assert fakes[1].loaded == {name: "/replica/adapters/v000005"}

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO_ROOT, free_port, make_adapter_files, new_s3_bucket, start_replica
 from promql import missing, scrape
 
-from bucket import adapters, events, layout, replicas
+from bucket import adapters, events, layout, live, replicas
 from bucket.manifest import RunSpec, init_or_check, read_manifest
 from bucket.store import Store
 from replica import mirror as mirror_mod
@@ -423,6 +423,29 @@ def test_mirror_first_sync_takes_every_version_it_keeps(s3_store, tmp_path):
     adapters.publish(s3_store, 11, fake_adapter(11))
     assert mirror.sync_once() == [11]
     assert mirror.mirrored() == [5, 6, 7, 8, 9, 10, 11]  # the same range, pruned as LATEST moves
+
+
+def test_mirror_fetches_and_keeps_what_the_proxy_holds_live(s3_store, tmp_path):
+    """A version can stay live on the proxy longer than any mirror keeps it (a group stuck in flight, a restarted
+    rollout worker that never unloads it): the proxy lists its live versions in the bucket, and every mirror,
+    a joiner's too, fetches them and does not prune them, so the joiner can load them and be admitted."""
+    for v in range(1, 11):
+        adapters.publish(s3_store, v, fake_adapter(v))
+    live.write_live(s3_store, [2, 10])
+    old = AdapterMirror(s3_store, str(tmp_path / "old"), window=1, live_every_s=0)  # keep = 4
+    assert old.sync_once() == [2, 6, 7, 8, 9, 10]
+    for v in range(11, 16):
+        adapters.publish(s3_store, v, fake_adapter(v))
+    old.sync_once()
+    assert old.mirrored() == [2, 10, 11, 12, 13, 14, 15]  # v2 and v10 are live: kept; 6-9 pruned as LATEST moved
+    joiner = AdapterMirror(s3_store, str(tmp_path / "joiner"), window=1, live_every_s=0)
+    assert joiner.sync_once() == [2, 10, 11, 12, 13, 14, 15]
+    live.write_live(s3_store, [15])  # the rollout worker unloaded v2 at last: no longer kept
+    old.sync_once()
+    assert old.mirrored() == [11, 12, 13, 14, 15]
+    s3_store.put_bytes(layout.PROXY_LIVE, b"{not json")  # unreadable: nothing extra, the window still holds
+    assert live.read_live(s3_store) == []
+    assert joiner.sync_once() == [] and joiner.mirrored() == [11, 12, 13, 14, 15]
 
 
 def test_mirror_refuses_an_adapter_that_fails_its_checksum(s3_store, tmp_path):

@@ -1,0 +1,37 @@
+"""Which adapter versions the proxy holds live on its replicas, for the replicas' mirrors.
+
+Written only by the proxy (whenever the set of adapters loaded on every routable
+replica changes), read only by replica sidecars that mirror a remote bucket.
+A mirror normally keeps the newest few versions; a version stays live longer
+while a group in flight (or a restarted rollout worker that has not unloaded
+it) still uses it, and a replica that joins must hold every live version
+before it gets traffic. The mirror therefore fetches, and never prunes, what
+this object lists. A missing or unreadable object means "nothing extra": the
+mirror's own window still applies.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, Field, ValidationError
+
+from bucket import layout
+from bucket.store import BucketError, Store
+
+
+class LiveVersions(BaseModel):
+    versions: list[int] = Field(default_factory=list, description="adapter versions loaded on every routable replica")
+    at: float = Field(default_factory=time.time)
+
+
+def write_live(store: Store, versions: list[int]) -> None:
+    store.put_json(layout.PROXY_LIVE, LiveVersions(versions=sorted(set(versions))).model_dump())
+
+
+def read_live(store: Store) -> list[int]:
+    """The live versions, [] when the proxy has written none (or the object cannot be read now)."""
+    try:
+        return LiveVersions(**store.get_json(layout.PROXY_LIVE)).versions
+    except (BucketError, ValidationError, TypeError, ValueError):
+        return []
