@@ -1,19 +1,19 @@
 """Client requests to replicas.
 
-Generation requests (the hot path) are parsed once, routed (routing.py),
-admitted under a global and a per-replica in-flight limit, and sent as the
-client's own bytes over a pooled keep-alive connection (pool.py); the answer
-is relayed as it arrives, streamed or not. A replica that fails before the
-first byte of its answer reached the client is reported (membership ejects
-it) and the request goes to another replica; a failure mid-answer ends the
-answer with a clear error. Everything else (models, tokenize, ...) goes to the
-least-loaded replica through httpx, and pause/resume to every replica.
+Generation requests (the hot path) are parsed once (generation_body.py),
+routed (routing.py), admitted under a global and a per-replica in-flight
+limit, and sent as the client's own bytes over a pooled keep-alive connection
+(pool.py); the answer is relayed as it arrives, streamed or not. A replica
+that fails before the first byte of its answer reached the client is reported
+(membership ejects it) and the request goes to another replica; a failure
+mid-answer ends the answer with a clear error. Everything else (models,
+tokenize, ...) goes to the least-loaded replica through httpx, and
+pause/resume to every replica.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -23,21 +23,16 @@ from fastapi.responses import JSONResponse, Response
 
 from bucket.replicas import ReplicaInfo
 from proxy.errors import error_body, error_response
+from proxy.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
+from proxy.httpx_exchange import HttpxExchange
 from proxy.lora_paths import error_message
-from proxy.pool import HOP_HEADERS, ReplicaPool, UpstreamError
+from proxy.pool import ReplicaPool, UpstreamError
 from proxy.state import ProxyState
 from proxy.upstream import Upstream
-
-try:  # parsing the body to route it is the hot path's largest cost after the socket calls
-    from orjson import JSONDecodeError as _JSONError
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover
-    _loads, _JSONError = json.loads, ValueError
 
 log = logging.getLogger("brigade.proxy")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_USAGE = b'"completion_tokens":'
 
 
 class ClientSink(Protocol):
@@ -48,107 +43,6 @@ class ClientSink(Protocol):
     def body(self, data: bytes) -> None: ...
     def end(self) -> None: ...
     def abort(self, message: str) -> None: ...
-
-
-class BadRequest(ValueError):
-    pass
-
-
-def _prompt_of(payload: dict[str, Any]) -> tuple[list[int] | None, str | None]:
-    """The routing key of a completions/chat body: token ids, or text when there are none."""
-    prompt = payload.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        prompt = prompt[0]  # a batch: its first prompt decides (batches from one client share a prefix)
-    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-        return prompt, None  # token ids (odd values still hash: see routing._pack_tokens)
-    if isinstance(prompt, str):
-        return None, prompt
-    messages = payload.get("messages")
-    if isinstance(messages, list) and messages:
-        # Role and content in order, so a conversation that grows keeps its prefix.
-        parts = []
-        for m in messages:
-            if not isinstance(m, dict):
-                raise BadRequest("messages must be a list of objects with role and content")
-            content = m.get("content")
-            if not isinstance(content, str):
-                content = json.dumps(content, sort_keys=True)
-            parts.append(f"<{m.get('role', '')}>{content}")
-        return None, "\n".join(parts)
-    raise BadRequest(
-        "the body needs a non-empty prompt (token ids or text, for /v1/completions) or messages "
-        "(for /v1/chat/completions)"
-    )
-
-
-def parse_generation(body: bytes) -> dict[str, Any]:
-    """The JSON object of a generation request, or BadRequest naming what is wrong."""
-    try:
-        payload = _loads(body)
-    except (_JSONError, ValueError) as exc:
-        raise BadRequest(f"the body is not JSON ({exc})") from None
-    if not isinstance(payload, dict):
-        raise BadRequest("the body must be a JSON object")
-    if not isinstance(payload.get("model"), str):
-        raise BadRequest("model must be a string: the base model or a loaded adapter's lora_name")
-    return payload
-
-
-def _completion_tokens(tail: bytes | None) -> int | None:
-    """completion_tokens of the usage block at the end of a non-streamed answer (cheap: no JSON parse)."""
-    if not tail:
-        return None
-    i = tail.rfind(_USAGE)
-    if i < 0:
-        return None
-    j = i + len(_USAGE)
-    end = j
-    while end < len(tail) and tail[end] in b" 0123456789":
-        end += 1
-    try:
-        return int(tail[j:end])
-    except ValueError:
-        return None
-
-
-class _HttpxExchange:
-    """An Exchange over httpx, for an injected transport (tests reach in-process fake replicas this way)."""
-
-    def __init__(self, resp: httpx.Response) -> None:
-        self.resp = resp
-        self.status = resp.status_code
-        self.length: int | None = None
-        self.headers: list[tuple[bytes, bytes]] = []
-        for k, v in resp.headers.raw:
-            k = k.lower()
-            if k == b"content-length":
-                self.length = int(v)
-            elif k not in HOP_HEADERS and k != b"content-encoding":
-                self.headers.append((k, v))
-        self.tail: bytes | None = None
-        self._task: asyncio.Task | None = None
-
-    def attach(self, sink: Any, on_done: Callable[[bool], None]) -> None:
-        async def pump() -> None:
-            ok = False
-            try:
-                async for chunk in self.resp.aiter_raw():
-                    self.tail = chunk
-                    sink.body(chunk)
-                ok = True
-            except httpx.HTTPError as exc:
-                sink.abort(f"the replica broke off its answer ({type(exc).__name__}: {exc})")
-            finally:
-                await self.resp.aclose()
-                if ok:
-                    sink.end()
-                on_done(ok)
-
-        self._task = asyncio.get_running_loop().create_task(pump())
-
-    def cancel(self, why: str) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
 
 class Forwarder:
@@ -226,7 +120,7 @@ class Forwarder:
         """Route one completions/chat request and relay the answer to `sink`; never raises for replica failures."""
         try:
             payload = parse_generation(body)
-            tokens, text = _prompt_of(payload)
+            tokens, text = prompt_of(payload)
         except BadRequest as exc:
             sink.error(400, error_body(400, str(exc)))
             return
@@ -322,7 +216,7 @@ class Forwarder:
         def done(ok: bool) -> None:
             rslot.release()
             release_global()
-            router.finish(decision, _completion_tokens(ex.tail) if ok and ex.length is not None else None)
+            router.finish(decision, completion_tokens(ex.tail) if ok and ex.length is not None else None)
             if not ok:
                 self.broken_answers += 1
                 self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
@@ -332,12 +226,12 @@ class Forwarder:
         sink.exchange = ex  # the sink cancels it if the client leaves
         ex.attach(sink, done)
 
-    async def _send_httpx(self, info: ReplicaInfo, path: str, body: bytes) -> _HttpxExchange:
+    async def _send_httpx(self, info: ReplicaInfo, path: str, body: bytes) -> HttpxExchange:
         client = self.upstream.client
         headers = {"content-type": "application/json", **self.upstream.auth}
         try:
             req = client.build_request("POST", f"{info.url}{path}", content=body, headers=headers)
-            return _HttpxExchange(await client.send(req, stream=True))
+            return HttpxExchange(await client.send(req, stream=True))
         except httpx.ConnectError as exc:
             raise UpstreamError(str(exc), retryable=True, connect=True) from None
         except httpx.HTTPError as exc:

@@ -3,22 +3,23 @@
 The only script is a dozen inline lines that re-fetch the panels while the run is live; with
 scripts off the page still shows everything (and a reload refreshes it). Every figure that
 `brigade summary` also prints carries `data-metric` (and `data-value`: the exact number), so
-a test can compare the two.
+a test can compare the two. The Training and the Replicas and routing sections carry no such
+figure and are drawn by training_panels.py and replica_panels.py.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from html import escape
 from typing import Any
 
-from bucket import events
 from bucket.timeline import STAGES, Clocks, VersionSync
 from infra.dashboard import svg
 from infra.dashboard.data import RunData, percentile
 from infra.dashboard.health import P95_LIMIT_S, WINDOW, Health, check
+from infra.dashboard.replica_panels import replica_panels
+from infra.dashboard.training_panels import training_panels
 
 STAGE_LABEL = {
     "step_done": "step done",
@@ -286,193 +287,6 @@ def versions_table(data: RunData, summary: dict[str, Any]) -> str:
         + "".join(rows)
         + "</table></section>"
     )
-
-
-def _bin_rate(points: list[tuple[float, int]], t0: float, bins: int = 20) -> list[tuple[float, float | None]]:
-    if len(points) < 2:
-        return []
-    lo, hi = points[0][0], points[-1][0]
-    width = max((hi - lo) / bins, 1e-6)
-    sums = [0] * bins
-    for t, n in points:
-        sums[min(bins - 1, int((t - lo) / width))] += n
-    return [(lo - t0 + (i + 0.5) * width, s / width) for i, s in enumerate(sums)]
-
-
-def training_panels(data: RunData) -> str:
-    steps = data.steps
-
-    def series(key: str, name: str = "", **kw: Any) -> svg.Series:
-        return svg.Series(name or key, [(e["step"], e.get(key)) for e in steps if "step" in e], **kw)
-
-    rewards = [e.get("reward") for e in steps]
-    rolling = [
-        (e["step"], statistics.fmean(x for x in rewards[max(0, i - 4) : i + 1] if x is not None))
-        for i, e in enumerate(steps)
-        if any(x is not None for x in rewards[max(0, i - 4) : i + 1])
-    ]
-    clip_keys = sorted({k for e in steps for k in e if k.startswith("clip_ratio")})
-    t0 = data.first_ts or 0.0
-    trained = svg.Series("trained tokens/s", [(e["ts"] - t0, e.get("perf/tok_s")) for e in steps], dots=True)
-    generated = svg.Series("generated tokens/s", _bin_rate(data.generated, t0), dashed=True)
-    charts = [
-        svg.line_chart(
-            "Reward over steps",
-            [series("reward", dots=True), svg.Series("mean of the last 5 steps", rolling, dashed=True)],
-            "step",
-        ),
-        svg.line_chart(
-            "Importance ratio (mean, per step): should sit near 1", [series("ratio", dots=True)], "step", ref=1.0
-        ),
-        svg.line_chart("Clip fractions", [series(k, dots=True) for k in clip_keys], "step", y_min=0),
-        svg.line_chart(
-            "Staleness (versions behind, mean per step)",
-            [series("sample/staleness_mean", "staleness")],
-            "step",
-            y_min=0,
-        ),
-        svg.line_chart("Tokens per second", [trained, generated], "seconds since the first event", y_min=0),
-    ]
-    for kind, evs in sorted(data.unknown.items()):  # e.g. eval results: any newer kind that carries a step
-        keys = sorted({k for e in evs for k, x in e.items() if isinstance(x, int | float) and k not in ("ts", "step")})
-        if keys and all(isinstance(e.get("step"), int) for e in evs):
-            charts.append(
-                svg.line_chart(
-                    f"{kind} (by step)",
-                    [svg.Series(k, [(e["step"], e.get(k)) for e in evs], dots=True) for k in keys[:8]],
-                    "step",
-                )
-            )
-    return f'<section><h2>Training</h2><div class="grid">{"".join(charts)}</div></section>'
-
-
-GREY, GREEN, RED = "#9aa5b1", "#3aa35b", "#c0392b"
-
-
-def _lanes(data: RunData, t1: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
-    """Per replica: its sidecar's lane (started -> stopped, or its registration's state now) and, where
-    the proxy wrote membership events, the proxy's lane (receiving traffic / ejected)."""
-    views = {r.replica_id: r for r in data.replica_views()}
-    names = sorted(set(views) | {str(e["replica"]) for e in data.replica_events if e.get("replica")})
-    lanes = []
-    for rid in names:
-        own = [e for e in data.replica_events if e.get("replica") == rid]
-        sidecar: list[tuple[float, float, str, str]] = []
-        proxy: list[tuple[float, float, str, str]] = []
-        up: float | None = None
-        routed: tuple[float, str, str] | None = None  # since, color, text
-        for e in own:
-            kind, ts = e["kind"], e["ts"]
-            if kind == events.REPLICA_STARTED:
-                up = ts
-            elif kind == events.REPLICA_STOPPED and up is not None:
-                sidecar.append((up, ts, GREY, f"{rid}: up, then stopped ({e.get('reason', '')})"))
-                up = None
-            elif kind in ("replica_admitted", "replica_readmitted", "replica_ejected", "replica_removed"):
-                if routed is not None:
-                    proxy.append((routed[0], ts, routed[1], routed[2]))
-                routed = None
-                if kind == "replica_ejected":
-                    routed = (ts, RED, f"{rid}: ejected ({e.get('cause', '')}: {e.get('reason', '')})")
-                elif kind != "replica_removed":
-                    routed = (ts, GREEN, f"{rid}: receiving traffic")
-        view = views.get(rid)
-        if up is not None or (view is not None and view.registered):
-            begin = up if up is not None else (view.started_at if view and view.started_at else t1)
-            if view is not None and view.registered:
-                color = GREEN if view.live else RED
-                text = "live" if view.live else f"registered, heartbeat silent for {view.silent_s:.0f} s"
-                sidecar.append((begin, t1, color, f"{rid}: {text}"))
-            else:
-                sidecar.append((begin, data.last_ts or begin, GREY, f"{rid}: no stop recorded"))
-        if routed is not None:
-            proxy.append((routed[0], t1 if view is not None and view.registered else data.last_ts or t1, *routed[1:]))
-        lanes.append((f"{rid}", sidecar))
-        if proxy:
-            lanes.append((f"{rid} (proxy)", proxy))
-    return lanes
-
-
-def _routing_charts(data: RunData, t0: float) -> list[str]:
-    snaps = data.routing
-    kinds = sorted({k for e in snaps for k in (e.get("decisions_delta") or {})})
-    replicas = sorted({r for e in snaps for r in (e.get("inflight_requests") or {})})
-
-    def rate(e: dict[str, Any], kind: str) -> float | None:
-        n, dt = (e.get("decisions_delta") or {}).get(kind), e.get("interval_s")
-        return n / dt if isinstance(n, int | float) and isinstance(dt, int | float) and dt > 0 else None
-
-    return [
-        svg.line_chart(
-            "Routing decisions per second (the proxy's snapshots)",
-            [svg.Series(k, [(e["ts"] - t0, rate(e, k)) for e in snaps]) for k in kinds],
-            "seconds since the first event",
-            y_min=0,
-        ),
-        svg.line_chart(
-            "Requests in flight per replica (the proxy's snapshots)",
-            [
-                svg.Series(r, [(e["ts"] - t0, (e.get("inflight_requests") or {}).get(r)) for e in snaps])
-                for r in replicas
-            ],
-            "seconds since the first event",
-            y_min=0,
-        ),
-    ]
-
-
-def replica_panels(data: RunData) -> str:
-    views = data.replica_views()
-    adapters = data.live_adapters()
-    ejected = data.ejected()
-    now = time.time()
-    t0 = data.first_ts or now
-    t1 = max(data.last_ts or now, now if any(r.registered for r in views) else 0)
-    failures: dict[str, int] = {}
-    for v in data.published():
-        for name, load in v.replicas.items():
-            if load.failed or load.probe_failed:
-                failures[name] = failures.get(name, 0) + 1
-    total = sum(data.samples_by_replica.values()) or 1
-    names = sorted({r.replica_id for r in views} | set(data.samples_by_replica) | set(adapters))
-    live = {r.replica_id: r for r in views}
-    table = "".join(
-        f'<tr data-replica="{escape(n)}"><td class="l">{escape(n)}</td>'
-        f"<td class='l'>{_replica_state(live.get(n), ejected.get(n))}</td>"
-        f"<td class='l'>{escape(live[n].url) if n in live else ''}</td>"
-        f"<td>{live[n].beat if n in live and live[n].registered else '-'}</td>"
-        f"<td class='l'>{', '.join(f'v{x}' for x in adapters.get(n, [])) or '-'}</td>"
-        f"<td>{data.samples_by_replica.get(n, 0)} ({100 * data.samples_by_replica.get(n, 0) / total:.0f}%)</td>"
-        f"<td>{failures.get(n, 0)}</td></tr>"
-        for n in names
-    )
-    gantt = svg.gantt(
-        "Replica membership (grey: up then stopped, green: live / receiving traffic, red: silent / ejected)",
-        _lanes(data, t1),
-        t0,
-        t1,
-    )
-    return (
-        '<section><h2>Replicas and routing</h2><div class="grid">'
-        f"{gantt}<div><table><tr><th class='l'>replica</th><th class='l'>state</th><th class='l'>url</th>"
-        "<th>heartbeat</th><th class='l'>adapter versions loaded</th><th>samples generated (share)</th>"
-        f"<th>failed loads</th></tr>{table}</table>"
-        "<p class='muted'>Samples generated per replica come from the shards (the proxy's "
-        "<code>x-brigade-replica</code> header); adapter versions loaded, from the proxy's load and unload "
-        "events.</p></div>" + "".join(_routing_charts(data, t0)) + "</div></section>"
-    )
-
-
-def _replica_state(r: Any, ejected: str | None = None) -> str:
-    if r is None:
-        return '<span class="muted">seen in shards only</span>'
-    if r.live and ejected is not None:
-        return f'<span class="bad">ejected ({escape(ejected)})</span>'
-    if r.live:
-        return '<span class="good">live</span>'
-    if r.registered:
-        return f'<span class="bad">silent {r.silent_s:.0f} s</span>'
-    return '<span class="muted">stopped</span>'
 
 
 def clocks_panel(clocks: Clocks) -> str:
