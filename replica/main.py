@@ -38,7 +38,7 @@ from replica import warmup
 from replica.config import ReplicaConfig
 from replica.metrics import ReplicaMetrics
 from replica.mirror import AdapterMirror
-from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, plan_server
+from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roots, plan_server
 
 log = logging.getLogger("brigade.replica")
 
@@ -115,9 +115,21 @@ class Replica:
             cache_dir,
             window=manifest.max_staleness + 1,
             on_mirrored=lambda v, committed_at: self._mirrored(event_log, v, committed_at),
+            in_use=self._registered_versions,
         )
         self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
         return self.mirror.cache_dir
+
+    def _registered_versions(self) -> set[int] | None:
+        """Versions vLLM has registered (it reloads an evicted one from its folder on use, and a missing folder
+        kills its engine), None while that cannot be known."""
+        if self.server is None or not self.server.alive():
+            return None
+        key = os.environ.get(self.rc.api_key_env, "") if self.rc.api_key_env else ""
+        roots = lora_roots(self.server.plan.base_url, {"Authorization": f"Bearer {key}"} if key else {})
+        if roots is None:
+            return None
+        return {v for v in (layout.parse_version_dir(os.path.basename(r.rstrip("/"))) for r in roots) if v is not None}
 
     def _mirrored(self, event_log: EventLog, version: int, committed_at: float) -> None:
         self.metrics.adapter_mirrored(version)

@@ -45,7 +45,8 @@ class AdapterMirror:
     disk: older versions are deleted to bound disk use. Versions the proxy
     lists as live (bucket/live.py, read every `live_every_s`) are fetched and
     kept whatever their age: a joining replica must hold every one of them
-    before the proxy lets traffic in.
+    before the proxy lets traffic in. Nor is a version pruned while `in_use()`
+    (the versions the replica's vLLM has registered) lists it.
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class AdapterMirror:
         keep: int | None = None,
         on_mirrored: Callable[[int, float], None] | None = None,
         live_every_s: float = 1.0,
+        in_use: Callable[[], set[int] | None] | None = None,
     ):
         self.store = store
         self.cache_dir = os.path.abspath(cache_dir)
@@ -63,6 +65,7 @@ class AdapterMirror:
         self.keep = keep if keep is not None else 2 * (window + 1)
         self.on_mirrored = on_mirrored
         self.live_every_s = live_every_s
+        self.in_use = in_use
         self._live: set[int] = set()
         self._live_read_at = -float("inf")
         self._seen_latest: int | None = None
@@ -143,9 +146,16 @@ class AdapterMirror:
         return True
 
     def _prune(self, latest: int, keep_too: set[int]) -> None:
-        for version in self.mirrored():
-            if version < latest - self.keep and version not in keep_too:
-                shutil.rmtree(self.path(version), ignore_errors=True)
+        old = [v for v in self.mirrored() if v < latest - self.keep and v not in keep_too]
+        if old and self.in_use is not None:
+            # vLLM reloads an adapter it evicted from its LoRA cache from the folder it was registered with, and a
+            # folder gone by then kills its engine (seen in a chaos run): never delete one it still has registered.
+            used = self.in_use()
+            if used is None:
+                return  # cannot tell now: prune at a later sync
+            old = [v for v in old if v not in used]
+        for version in old:
+            shutil.rmtree(self.path(version), ignore_errors=True)
 
     def _remove_temporaries(self, min_age_s: float = 600.0) -> None:
         """Half-copied folders left by a sidecar that died mid-copy.

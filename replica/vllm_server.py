@@ -150,6 +150,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def lora_roots(base_url: str, headers: dict[str, str], timeout_s: float = 5.0) -> list[str] | None:
+    """The folders of the LoRA adapters a vLLM server has registered (/v1/models), None if it does not answer."""
+    try:
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=timeout_s)
+        resp.raise_for_status()
+        return [card["root"] for card in resp.json()["data"] if card.get("parent")]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
 @dataclass
 class VllmServer:
     plan: ServerPlan

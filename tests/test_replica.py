@@ -21,7 +21,7 @@ from bucket.store import Store
 from replica import mirror as mirror_mod
 from replica.config import ReplicaConfig
 from replica.mirror import AdapterMirror
-from replica.vllm_server import ReplicaError, ServerPlan, VllmServer, lora_rank_cap, plan_server
+from replica.vllm_server import ReplicaError, ServerPlan, VllmServer, lora_rank_cap, lora_roots, plan_server
 
 # -- helpers ------------------------------------------------------------------------------------------
 
@@ -364,6 +364,7 @@ def test_published_adapter_loads_from_adapter_root_and_changes_generation(vllm_r
         assert missing.status_code == 404 and "No adapter found" in missing.text
         models = httpx.get(f"{replica.url}/v1/models", timeout=30).json()["data"]
         assert {"id": name, "parent": manifest.base_model} in [{"id": m["id"], "parent": m["parent"]} for m in models]
+        assert load["lora_path"] in lora_roots(replica.url, {})  # what the mirror must not delete
 
         ids = _tokenize(replica.url, manifest.base_model, "What is 2 + 3? Answer with just the number.")
         base = _complete(replica.url, manifest.base_model, ids).json()["choices"][0]
@@ -446,6 +447,28 @@ def test_mirror_fetches_and_keeps_what_the_proxy_holds_live(s3_store, tmp_path):
     s3_store.put_bytes(layout.PROXY_LIVE, b"{not json")  # unreadable: nothing extra, the window still holds
     assert live.read_live(s3_store) == []
     assert joiner.sync_once() == [] and joiner.mirrored() == [11, 12, 13, 14, 15]
+
+
+def test_mirror_never_deletes_what_its_vllm_has_registered(s3_store, tmp_path):
+    """vLLM reloads an adapter it evicted from its LoRA cache from the registered folder, and a folder deleted by
+    then kills its engine (a chaos run hit this): the mirror keeps whatever its vLLM still has registered, and
+    prunes nothing while it cannot ask (vLLM starting, or not answering)."""
+    for v in range(1, 9):
+        adapters.publish(s3_store, v, fake_adapter(v))
+    registered: set[int] | None = {3}
+    mirror = AdapterMirror(s3_store, str(tmp_path / "cache"), window=1, in_use=lambda: registered)  # keep = 4
+    assert mirror.sync_once() == [4, 5, 6, 7, 8]
+    for v in range(9, 12):
+        adapters.publish(s3_store, v, fake_adapter(v))
+    registered = None  # vLLM does not answer: nothing is pruned
+    mirror.sync_once()
+    assert mirror.mirrored() == [4, 5, 6, 7, 8, 9, 10, 11]
+    registered = {5}
+    mirror.sync_once()
+    assert mirror.mirrored() == [5, 7, 8, 9, 10, 11]  # v5 registered: kept; v4 and v6 pruned
+    registered = set()
+    mirror.sync_once()
+    assert mirror.mirrored() == [7, 8, 9, 10, 11]
 
 
 def test_mirror_refuses_an_adapter_that_fails_its_checksum(s3_store, tmp_path):
