@@ -58,7 +58,7 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_matmul_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The dtype the step's matmuls run in: the weights' own, except `auto` on a CPU with native bf16, where fp32
-    weights are multiplied in bf16 under autocast (attention, normalisation and the log-softmax stay fp32): the
+    weights are multiplied in bf16 under autocast (normalisation and the log-softmax stay fp32): the
     long-tail CPU step 16.3-18.6 s -> 12.6-13.4 s (benchmarks/trainer_step.py, 1 group of 8)."""
     if dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
         return torch.bfloat16
