@@ -33,5 +33,5 @@ def read_live(store: Store) -> list[int]:
     """The live versions, [] when the proxy has written none (or the object cannot be read now)."""
     try:
         return LiveVersions(**store.get_json(layout.PROXY_LIVE)).versions
-    except (BucketError, ValidationError, TypeError, ValueError):
+    except (BucketError, OSError, ValidationError, TypeError, ValueError):  # a failed read is retried next second
         return []

@@ -38,6 +38,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 TEMP_PREFIX = ".tmp-"
+PROBE_ATTEMPTS = 4  # botocore attempts of the start-up check on S3 (Store._probe_fs)
 # botocore's standard mode retries 5xx, throttling and connection errors with exponential backoff
 # (base 0.5 s, capped at 20 s) and jitter; 10 attempts ride out several seconds of a flaky endpoint.
 S3_RETRY_ATTEMPTS = 10
@@ -141,14 +142,16 @@ class Store:
             ) from exc
 
     def _probe_fs(self) -> Any:
-        """The filesystem for the start-up check: on S3 one retry, not the ten (times s3fs's own five) that
-        ride out a flaky endpoint during the run, so a wrong endpoint is reported in seconds, not minutes."""
+        """The filesystem for the start-up check: on S3 four attempts, not the ten (times s3fs's own five) that
+        ride out a flaky endpoint during the run, so a wrong endpoint is reported in seconds, not minutes. Two
+        were too few: a job restarted while ~10 % of requests failed (the chaos run) met two failures in a row
+        about once in a hundred starts and exited as if the bucket were unreachable."""
         if not self.url.startswith("s3://") or os.environ.get("AWS_MAX_ATTEMPTS"):
             return self.fs
         options = dict(self._options)
         config = dict(options.get("config_kwargs") or {})
         retries = dict(config.get("retries") or {})
-        retries["max_attempts"] = min(2, int(retries.get("max_attempts", 2)))
+        retries["max_attempts"] = min(PROBE_ATTEMPTS, int(retries.get("max_attempts", PROBE_ATTEMPTS)))
         options["config_kwargs"] = {**config, "retries": retries}
         fs, _ = fsspec.core.url_to_fs(self.url, **options)
         fs.retries = 1  # s3fs retries connection errors itself too
