@@ -120,13 +120,17 @@ class Replica:
         self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
         return self.mirror.cache_dir
 
+    def _vllm_headers(self) -> dict[str, str]:
+        """What the sidecar's own calls to vLLM carry when vLLM was started with an API key."""
+        key = os.environ.get(self.rc.api_key_env, "") if self.rc.api_key_env else ""
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def _registered_versions(self) -> set[int] | None:
         """Versions vLLM has registered (it reloads an evicted one from its folder on use, and a missing folder
         kills its engine), None while that cannot be known."""
         if self.server is None or not self.server.alive():
             return None
-        key = os.environ.get(self.rc.api_key_env, "") if self.rc.api_key_env else ""
-        roots = lora_roots(self.server.plan.base_url, {"Authorization": f"Bearer {key}"} if key else {})
+        roots = lora_roots(self.server.plan.base_url, self._vllm_headers())
         if roots is None:
             return None
         return {v for v in (layout.parse_version_dir(os.path.basename(r.rstrip("/"))) for r in roots) if v is not None}
@@ -181,13 +185,10 @@ class Replica:
     def _warm_up(self, manifest: RunManifest) -> float | None:
         """The first LoRA load and use, paid before registering (replica/warmup.py); None if it failed."""
         assert self.server is not None
-        key = os.environ.get(self.rc.api_key_env, "") if self.rc.api_key_env else ""
         with tempfile.TemporaryDirectory(prefix="brigade-warmup-") as tmp:
             try:
                 warmup.zero_adapter(self.rc.model_path, manifest.lora_rank, manifest.lora_alpha, tmp)
-                seconds = warmup.warm_up(
-                    self.server.plan.base_url, tmp, {"Authorization": f"Bearer {key}"} if key else {}
-                )
+                seconds = warmup.warm_up(self.server.plan.base_url, tmp, self._vllm_headers())
             except (OSError, KeyError, TypeError, RuntimeError, httpx.HTTPError) as exc:
                 log.warning("LoRA warm-up skipped (%s: %s): the first version loads slower", type(exc).__name__, exc)
                 return None
