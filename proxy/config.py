@@ -95,6 +95,13 @@ class ProxyConfig(BaseModel):
         "Not 1: vLLM adds a small rank-1 LoRA delta in bf16 and loses part of it (an early version served correctly "
         "showed 0.49-0.71 here, one served as the base -0.21 to -0.18).",
     )
+    canary_confidence_z: float = Field(
+        2.33,
+        ge=0,
+        description="Served-policy probe: a replica is said to serve the base only when its shift plus this many "
+        "standard errors (from the noise of its own answer) is still below canary_min_shift; 2.33 calls a correct "
+        "replica the base about once in a hundred probes where the noise is Gaussian. 0 = judge the shift alone.",
+    )
     canary_tolerance: float = Field(
         0.25,
         ge=0,
