@@ -76,12 +76,37 @@ def summarize(store: Store) -> dict[str, Any]:
             }
         )
     shards = read_shards(store, {})
-    groups_written = sum(len(s.shard.groups) for s in shards if s.shard)
-    lineage = checkpoints.lineage(store)
-    trained = [g for st in lineage for g in st.trained]
-    dropped = [g for st in lineage for g in st.dropped_stale]
-    skipped = [g for st in lineage for g in st.skipped_zero_variance]
+    return run_figures(
+        steps,
+        versions,
+        rollout_shards=len(shards),
+        rollout_shards_invalid=[s.record.key for s in shards if s.shard is None],
+        groups_written=sum(len(s.shard.groups) for s in shards if s.shard),
+        lineage=checkpoints.lineage(store),
+        done=read_done(store) is not None,
+        evals=[e for e in evs if e["kind"] == events.EVAL],
+        reward_failures=sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
+        first_ts=evs[0]["ts"] if evs else None,
+    )
+
+
+def run_figures(
+    steps: list[dict[str, Any]],
+    versions: list[dict[str, Any]],
+    *,
+    rollout_shards: int,
+    rollout_shards_invalid: list[str],
+    groups_written: int,
+    lineage: list[checkpoints.TrainerState],
+    done: bool,
+    evals: list[dict[str, Any]],
+    reward_failures: int,
+    first_ts: float | None,
+) -> dict[str, Any]:
+    """The summary's figures from what was read of the bucket: one definition for `brigade summary` (which reads
+    it all at once) and the dashboard (which reads it incrementally), so the page shows what the command prints."""
     rewards = [e["reward"] for e in steps]
+    quarter = max(1, len(rewards) // 4)
     samples = sum(e["samples"] for e in steps)
     # TRL's count: every sample of the step's groups, those with equal rewards included (TRL runs them
     # through forward and backward with zero advantage; brigade sets them aside before the forward pass).
@@ -94,26 +119,21 @@ def summarize(store: Store) -> dict[str, Any]:
         "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
         "consumed_samples_per_s": consumed / train_wall if train_wall > 0 else 0.0,
         "mean_reward": statistics.fmean(rewards) if rewards else None,
-        "reward_first_steps": statistics.fmean(rewards[: max(1, len(rewards) // 4)]) if rewards else None,
-        "reward_last_steps": statistics.fmean(rewards[-max(1, len(rewards) // 4) :]) if rewards else None,
+        "reward_first_steps": statistics.fmean(rewards[:quarter]) if rewards else None,
+        "reward_last_steps": statistics.fmean(rewards[-quarter:]) if rewards else None,
         "ratio_mean": statistics.fmean(e["ratio"] for e in steps) if steps else None,
-        "adapter_versions": len(published),
+        "adapter_versions": len(versions),
         "versions": versions,
         "sync_p50_s": statistics.median(latencies) if latencies else None,
-        "rollout_shards": len(shards),
-        "rollout_shards_invalid": [s.record.key for s in shards if s.shard is None],
+        "rollout_shards": rollout_shards,
+        "rollout_shards_invalid": rollout_shards_invalid,
         "groups_written": groups_written,
-        "groups_trained": len(trained),
-        "groups_dropped_stale": len(dropped),
-        "groups_skipped_zero_variance": len(skipped),
+        "groups_trained": sum(len(st.trained) for st in lineage),
+        "groups_dropped_stale": sum(len(st.dropped_stale) for st in lineage),
+        "groups_skipped_zero_variance": sum(len(st.skipped_zero_variance) for st in lineage),
         "groups_pending": len(lineage[-1].pending) if lineage else 0,
-        "done": read_done(store) is not None,
-        **learning_figures(
-            [e for e in evs if e["kind"] == events.EVAL],
-            steps,
-            sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
-            evs[0]["ts"] if evs else None,
-        ),
+        "done": done,
+        **learning_figures(evals, steps, reward_failures, first_ts),
     }
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from bucket.replicas import ReplicaInfo
 from bucket.rollouts import read_shards
 from bucket.store import NotFound, Store
 from bucket.timeline import VERSION_KINDS, Timeline, VersionSync
-from infra.summary import learning_figures
+from infra.summary import run_figures
 
 log = logging.getLogger("brigade.dashboard")
 
@@ -273,7 +272,6 @@ class RunData:
 
     def summary(self) -> dict[str, Any]:
         """`brigade summary`'s figures (infra/summary.py), with its definitions, from what was read."""
-        steps = self.steps
         versions = [
             {
                 "version": v.version,
@@ -285,32 +283,15 @@ class RunData:
             }
             for v in self.published()
         ]
-        rewards = [e["reward"] for e in steps]
-        samples = sum(e["samples"] for e in steps)
-        consumed = sum(e.get("samples_consumed", e["samples"]) for e in steps)  # TRL's count (summary.py)
-        train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
-        quarter = max(1, len(rewards) // 4)
-        latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
-        lineage = self.lineage
-        return {
-            "steps": len(steps),
-            "trained_samples": samples,
-            "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
-            "consumed_samples_per_s": consumed / train_wall if train_wall > 0 else 0.0,
-            "mean_reward": statistics.fmean(rewards) if rewards else None,
-            "reward_first_steps": statistics.fmean(rewards[:quarter]) if rewards else None,
-            "reward_last_steps": statistics.fmean(rewards[-quarter:]) if rewards else None,
-            "ratio_mean": statistics.fmean(e["ratio"] for e in steps) if steps else None,
-            "adapter_versions": len(versions),
-            "versions": versions,
-            "sync_p50_s": statistics.median(latencies) if latencies else None,
-            "rollout_shards": self.shards,
-            "rollout_shards_invalid": list(self.shards_invalid),
-            "groups_written": self.groups_written,
-            "groups_trained": sum(len(st.trained) for st in lineage),
-            "groups_dropped_stale": sum(len(st.dropped_stale) for st in lineage),
-            "groups_skipped_zero_variance": sum(len(st.skipped_zero_variance) for st in lineage),
-            "groups_pending": len(lineage[-1].pending) if lineage else 0,
-            "done": self.done is not None,
-            **learning_figures(self.evals, steps, self.reward_failures, self.first_ts),
-        }
+        return run_figures(
+            self.steps,
+            versions,
+            rollout_shards=self.shards,
+            rollout_shards_invalid=list(self.shards_invalid),
+            groups_written=self.groups_written,
+            lineage=self.lineage,
+            done=self.done is not None,
+            evals=self.evals,
+            reward_failures=self.reward_failures,
+            first_ts=self.first_ts,
+        )
