@@ -30,6 +30,7 @@ import httpx
 from bucket import appendlog, events, layout, replicas, tokenizer_id
 from bucket.manifest import init_or_check
 from bucket.store import Store
+from infra.accuracy_plot import plot_accuracy
 from infra.config import Config, ConfigError, to_toml
 from infra.dashboard.terminal import LiveView
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
@@ -317,47 +318,6 @@ class LocalRun:
 
 def rollout_id(config: Config) -> str:
     return config.rollout.worker_id or "rollout-0"
-
-
-def plot_accuracy(summary: dict, path: str, started_at: float) -> bool:
-    """Held-out accuracy over the run's time (and the training reward per step), as a PNG; False without evaluations.
-
-    Time is counted from `started_at` (wall clock), the command's start."""
-    curve = summary.get("accuracy_curve") or []
-    if not curve:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    xs, ys = [(c["ts"] - started_at) / 60 for c in curve], [c["accuracy"] for c in curve]
-    ax.plot(xs, ys, "o-", color="tab:blue", label=f"held-out accuracy (greedy, {curve[-1]['total']} prompts)")
-    for c, x, y in zip(curve, xs, ys):
-        ax.annotate(f"v{c['version']}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
-    steps = summary.get("reward_curve") or []
-    if steps:
-        ax.plot(
-            [(s["ts"] - started_at) / 60 for s in steps],
-            [s["reward"] for s in steps],
-            ".",
-            color="tab:orange",
-            alpha=0.5,
-            label="training reward (per step)",
-        )
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel("accuracy / reward")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
-    if base is not None and final is not None:
-        ax.set_title(f"held-out accuracy {base:.2f} (base) -> {final:.2f} (final)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
 
 
 def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:

@@ -18,7 +18,6 @@ import logging
 import signal
 from collections import deque
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
@@ -26,24 +25,13 @@ import httptools
 
 from proxy.errors import error_body
 from proxy.forwarding import GENERATION_PATHS, Forwarder
+from proxy.raw_sink import RawSink, status_line
 
 log = logging.getLogger("brigade.proxy")
 
 FAST_PATHS = {p.encode(): p for p in GENERATION_PATHS} | {p.encode() + b"/": p for p in GENERATION_PATHS}
-_REASONS: dict[int, bytes] = {}
 MAX_QUEUED = 16  # pipelined requests waiting on one connection before it stops reading
 MAX_BODY = 64 * 1024 * 1024
-
-
-def _status_line(status: int) -> bytes:
-    line = _REASONS.get(status)
-    if line is None:
-        try:
-            phrase = HTTPStatus(status).phrase
-        except ValueError:
-            phrase = ""
-        line = _REASONS[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase.encode())
-    return line
 
 
 class _Request:
@@ -51,88 +39,6 @@ class _Request:
 
     def __init__(self, method: bytes, url: bytes, headers: list, body: bytes, keep_alive: bool) -> None:
         self.method, self.url, self.headers, self.body, self.keep_alive = method, url, headers, body, keep_alive
-
-
-class RawSink:
-    """A generation answer written straight to the client's transport."""
-
-    __slots__ = ("conn", "keep_alive", "chunked", "head", "finished", "exchange", "sent", "event_stream")
-
-    def __init__(self, conn: _ClientConn, keep_alive: bool) -> None:
-        self.conn = conn
-        self.keep_alive = keep_alive
-        self.chunked = False
-        self.head: bytes | None = None  # written together with the first body bytes
-        self.finished = False
-        self.exchange: Any = None
-        self.sent = False  # any byte reached the client's transport
-        self.event_stream = False
-
-    def error(self, status: int, body: bytes) -> None:
-        self.start(status, [(b"content-type", b"application/json")], len(body))
-        self.body(body)
-        self.end()
-
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
-        parts = [_status_line(status)]
-        for k, v in headers:
-            parts.append(b"%s: %s\r\n" % (k, v))
-            if k == b"content-type" and v.startswith(b"text/event-stream"):
-                self.event_stream = True
-        if length is None:
-            self.chunked = True
-            parts.append(b"transfer-encoding: chunked\r\n")
-        else:
-            parts.append(b"content-length: %d\r\n" % length)
-        if not self.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
-        self.head = b"".join(parts)
-
-    def body(self, data: bytes) -> None:
-        if not data or self.finished:
-            return
-        if self.chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
-        if self.head is not None:
-            data, self.head = self.head + data, None
-        self.sent = True
-        self.conn.write(data)
-
-    def end(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        data = b"0\r\n\r\n" if self.chunked else b""
-        if self.head is not None:
-            data, self.head = self.head + data, None
-        if data:
-            self.conn.write(data)
-        self.conn.response_done(self.keep_alive)
-
-    def abort(self, message: str) -> None:
-        """The replica broke off: a clean 502 if nothing was sent yet, else a clear error and a closed connection."""
-        if self.finished:
-            return
-        if not self.sent:
-            self.head, self.chunked = None, False
-            body = error_body(502, f"the replica broke off its answer: {message}")
-            self.start(502, [(b"content-type", b"application/json")], len(body))
-            self.body(body)
-            self.end()
-            return
-        self.finished = True
-        if self.chunked:
-            # An error event the client can read; no terminating chunk, so no client mistakes this for a whole answer.
-            err = error_body(502, f"the replica broke off its answer mid-stream: {message}")
-            text = b"data: " + err + b"\n\n" if self.event_stream else err
-            self.conn.write(b"%x\r\n%b\r\n" % (len(text), text))
-        self.conn.response_done(False)
-
-    def client_gone(self) -> None:
-        if self.exchange is not None and not self.finished:
-            self.finished = True
-            self.exchange.cancel("the client disconnected")
 
 
 class _ClientConn(asyncio.Protocol):
@@ -232,7 +138,7 @@ class _ClientConn(asyncio.Protocol):
     def _reject(self, status: int, message: str) -> None:
         body = error_body(status, message)
         self.write(
-            _status_line(status)
+            status_line(status)
             + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
             + body
         )
@@ -316,7 +222,7 @@ class _ClientConn(asyncio.Protocol):
             if message["type"] == "http.response.start":
                 state["started"] = True
                 headers = message.get("headers", [])
-                parts = [_status_line(message["status"])]
+                parts = [status_line(message["status"])]
                 has_length = False
                 for k, v in headers:
                     k = k.lower()
@@ -351,7 +257,7 @@ class _ClientConn(asyncio.Protocol):
             if not state["started"]:
                 body = error_body(500, f"proxy error: {type(exc).__name__}: {exc}")
                 self.write(
-                    _status_line(500)
+                    status_line(500)
                     + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
                     + body
                 )

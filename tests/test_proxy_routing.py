@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter, text_block_hashes, token_block_hashes
+from proxy.prefix_hashes import text_block_hashes, token_block_hashes
+from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter
 
 TEMPLATE = list(range(1000, 1048))  # a 48-token "chat template" every prompt starts with (3 blocks of 16)
 
