@@ -243,9 +243,10 @@ class Replica:
                 started_at=time.time(),
                 kv_blocks=self.server.kv_blocks(),
             )
-            replicas.register(store, info)
-            self.registered = True
-            self.metrics.started(info.url, startup_s)
+            # The started event goes first: once registered, the proxy may load adapters here at once (a
+            # registration write that S3 applied and answered 500 to is seen during its retry), and a started
+            # event stamped after those loads reads as a restart that lost them (a 20-minute chaos run's audit
+            # counted such a join as admitted without its live versions).
             event_log.emit(
                 events.REPLICA_STARTED,
                 url=info.url,
@@ -254,6 +255,9 @@ class Replica:
                 adapter_root=adapter_root,
                 metrics_url=self.metrics.url,
             )
+            replicas.register(store, info)
+            self.registered = True
+            self.metrics.started(info.url, startup_s)
             print(
                 f"brigade replica {self.rid}: healthy after {startup_s:.0f}s, registered as {info.url} "
                 f"(adapters from {adapter_root})",
