@@ -46,17 +46,21 @@ def _chain(data: bytes, seed: int, chunk: int) -> list[int]:
     return out
 
 
-def token_block_hashes(token_ids: Sequence[int], name: str, block_size: int) -> list[int]:
-    """One chained hash per FULL block of `token_ids`; a trailing partial block is never cached by vLLM."""
-    data = _pack_tokens(token_ids)
+def _token_chain(token_ids: Sequence[int], data: bytes, seed: int, block_size: int) -> list[int]:
+    """The chain over `token_ids`, packed as `data` by _pack_tokens."""
     if len(data) == 4 * len(token_ids):
-        return _chain(data, chain_seed(name, "tokens"), 4 * block_size)
+        return _chain(data, seed, 4 * block_size)
     out: list[int] = []  # odd values: hash block by block
-    link = chain_seed(name, "tokens")
+    link = seed
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         link = xxhash.xxh3_64_intdigest(_pack_tokens(token_ids[start : start + block_size]), seed=link)
         out.append(link)
     return out
+
+
+def token_block_hashes(token_ids: Sequence[int], name: str, block_size: int) -> list[int]:
+    """One chained hash per FULL block of `token_ids`; a trailing partial block is never cached by vLLM."""
+    return _token_chain(token_ids, _pack_tokens(token_ids), chain_seed(name, "tokens"), block_size)
 
 
 def text_block_hashes(text: str, name: str, block_size: int) -> list[int]:
@@ -70,9 +74,7 @@ def token_keys(token_ids: Sequence[int], name: str, block_size: int) -> tuple[in
     seed = chain_seed(name, "tokens")
     data = _pack_tokens(token_ids)
     group = xxhash.xxh3_64_intdigest(data, seed=seed) ^ len(token_ids)
-    if len(data) == 4 * len(token_ids):
-        return group, _chain(data, seed, 4 * block_size)
-    return group, token_block_hashes(token_ids, name, block_size)
+    return group, _token_chain(token_ids, data, seed, block_size)
 
 
 def text_keys(text: str, name: str, block_size: int) -> tuple[int, list[int], int]:
