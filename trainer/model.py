@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from bucket import adapters
 from bucket.manifest import RunManifest, RunSpec
 from bucket.settings import ConfigError
+from machine.cpu import native_bf16
 from trainer.packing import PACKED_ATTENTION, causal_lm, set_matmul_dtype
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -45,22 +46,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype == "auto" else getattr(torch, dtype)
 
 
-def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: oneDNN's bf16 matmuls then run ~2.7x faster than fp32 (a linear layer's forward and
-    backward on this development machine's AMD EPYC)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def resolve_matmul_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The dtype the step's matmuls run in: the weights' own, except `auto` on a CPU with native bf16, where fp32
     weights are multiplied in bf16 under autocast (normalisation and the log-softmax stay fp32): the
     long-tail CPU step 16.3-18.6 s -> 12.6-13.4 s (benchmarks/trainer_step.py, 1 group of 8)."""
-    if dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+    if dtype == "auto" and device.type == "cpu" and native_bf16():
         return torch.bfloat16
     return resolve_dtype(dtype, device)
 

@@ -1,0 +1,17 @@
+"""What every benchmark's JSON carries besides its own figures: the CPU it ran on.
+
+Machines of one kind come with an AVX-512 CPU or an AVX2-only one about 4x slower for this workload, so a
+figure without its CPU cannot be compared with another; each script passes its final object through
+`with_cpu` before printing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from machine.cpu import cpu_info
+
+
+def with_cpu(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with cpu_model, cpu_flags, cpu_class (and cores, cap) added; a key it already has is kept."""
+    return {**result, **{k: v for k, v in cpu_info().items() if k not in result}}
