@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.report import with_cpu
 from bucket import events, replicas
 from bucket.rollouts import ShardRead, read_shards
 from bucket.settings import default_model_dir
@@ -184,6 +185,7 @@ def _run(
         "wall_s": round(time.monotonic() - t0, 1),
         "logs": logs,
     }
+    result = with_cpu(result)
     with open(os.path.join(workdir, "result.json"), "w") as f:  # beside the logs, for reading a run afterwards
         json.dump(result, f, indent=1)
     return result

@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.report import with_cpu
 from bucket.store import Store
 from infra.config import load
 from infra.local import run as run_local
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trl_shape_load_avg": [before2, after2],
             }
         )
+    result = with_cpu(result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0 if rc == 0 and rc2 == 0 else 1
 

@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 
+from benchmarks.report import with_cpu
 from infra.config import load
 from infra.local import run as run_local
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_reward": s["mean_reward"],
         "ratio_mean": s["ratio_mean"],
     }
+    result = with_cpu(result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0 if rc == 0 else 1
 

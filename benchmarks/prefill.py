@@ -35,6 +35,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from benchmarks.proxy_overhead import free_port  # noqa: E402
+from benchmarks.report import with_cpu  # noqa: E402
 from bucket import Store  # noqa: E402
 from bucket.manifest import RunSpec, init_or_check  # noqa: E402
 from bucket.replicas import ReplicaInfo, list_replicas  # noqa: E402
@@ -166,6 +167,7 @@ def main() -> None:
         "round_robin": {"computed_tokens": rr, "ideal_tokens": rr_ideal, "vs_ideal": round(rr / rr_ideal, 4)},
         "proxy": {"computed_tokens": px, "ideal_tokens": px_ideal, "vs_ideal": round(px / px_ideal, 4)},
     }
+    result = with_cpu(result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 

@@ -44,6 +44,7 @@ sys.path.insert(0, REPO_ROOT)  # run as a file too, like the other benchmarks: i
 
 from benchmarks.loopback_peers import run_loadgen, serve_upstreams  # noqa: E402
 from benchmarks.proxy_candidates import serve_candidate  # noqa: E402
+from benchmarks.report import with_cpu  # noqa: E402
 
 
 def free_port() -> int:
@@ -278,6 +279,7 @@ def main() -> None:
             for k, v in runs.items()
         },
     }
+    result = with_cpu(result)
     if args.json:
         print(json.dumps(result))
     else:

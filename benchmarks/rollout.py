@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.report import with_cpu
 from bucket import replicas
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import read_shards
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         result[f"groups_{shape}"] = r["groups"]
     result["default_shape"] = default
     result["idle_fraction"] = by_shape[default]["idle_fraction"]
+    result = with_cpu(result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0
 

@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import with_cpu  # noqa: E402
 from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter  # noqa: E402
 
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57, 36]
@@ -260,6 +261,7 @@ def main() -> None:
         result["baselines"] = {p: simulate(p, args.replicas, args) for p in ("round_robin", "sticky_oracle")}
     result["kv_block"] = args.kv_block
     result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result = with_cpu(result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 

@@ -34,6 +34,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from benchmarks.report import with_cpu
 from bucket import events
 from bucket.store import Store
 from bucket.timeline import Timeline
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         result[kind] = run_one(kind, args.versions, overrides)
         print(f"sync_latency {kind}: {json.dumps(result[kind])}", flush=True)  # kept should a later run fail
+    result = with_cpu(result)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0 if all(result[k]["ok"] for k in kinds) else 1
 

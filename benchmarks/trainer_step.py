@@ -30,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from benchmarks.report import with_cpu
+
 # SmolLM2-135M's and Qwen2.5-1.5B's shapes (their config.json), so the benchmark runs anywhere without model files.
 SHAPES = {
     "smollm2-135m": (
@@ -388,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "dp": args.dp if dp.world > 1 else None,
         "threads": torch.get_num_threads(),
     }
+    result = with_cpu(result)
     if dp.is_main:
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     dp.barrier()

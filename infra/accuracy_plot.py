@@ -20,6 +20,27 @@ def plot_accuracy(summary: dict, path: str, started_at: float) -> bool:
     ax.plot(xs, ys, "o-", color="tab:blue", label=f"held-out accuracy (greedy, {curve[-1]['total']} prompts)")
     for c, x, y in zip(curve, xs, ys):
         ax.annotate(f"v{c['version']}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    # Cut evaluations judged a subset of the prompts: drawn apart (hollow), never joined to the curve.
+    partial = [c for c in summary.get("evaluations_cut") or [] if c.get("partial_accuracy") is not None]
+    if partial:
+        ax.plot(
+            [(c["ts"] - started_at) / 60 for c in partial],
+            [c["partial_accuracy"] for c in partial],
+            "o",
+            mfc="none",
+            color="tab:blue",
+            label="cut evaluation (partial: a subset of the prompts)",
+        )
+        for c in partial:
+            x = (c["ts"] - started_at) / 60
+            ax.annotate(
+                f"v{c['version']} ({c['judged']}/{c['planned']})",
+                (x, c["partial_accuracy"]),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=7,
+            )
     steps = summary.get("reward_curve") or []
     if steps:
         ax.plot(
@@ -37,6 +58,8 @@ def plot_accuracy(summary: dict, path: str, started_at: float) -> bool:
     base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
     if base is not None and final is not None:
         ax.set_title(f"held-out accuracy {base:.2f} (base) -> {final:.2f} (final)")
+    if summary.get("cut"):  # `brigade local` ended early: say so on the picture too
+        ax.set_title(f"{ax.get_title()}  [run cut: {summary['cut'].replace('_', ' ')}]".strip(), fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

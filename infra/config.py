@@ -32,7 +32,18 @@ class LocalConfig(BaseModel):
     trainer_threads: int = Field(
         1, ge=1, description="torch threads of the trainer (the replicas share the same cores)."
     )
-    max_wall_s: float = Field(1800.0, gt=0, description="Stop everything (with an error) after this many seconds.")
+    max_wall_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Stop everything (with an error, exit code 1) after this many seconds; the summary is still "
+        "written, from what the bucket holds, and says the run was cut (summary.json: cut = 'wall_limit').",
+    )
+    shutdown_grace_s: float = Field(
+        60.0,
+        ge=0,
+        description="The jobs are stopped this long before max_wall_s (at most half of it), so that stopping them "
+        "and writing the summary fit within max_wall_s.",
+    )
     runs_dir: str = Field("runs", description="Where a new run's bucket and logs go when --bucket.url is not given.")
     s3_server: bool = Field(
         False,

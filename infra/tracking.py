@@ -7,7 +7,8 @@ then only the backend asked for). Logged at each trainer step:
 * the trainer's `train_step` metrics under their TRL names (`reward`, `ratio`, `clip_ratio/low_mean`,
   `sample/staleness_mean`, `perf/step_s`, ...), at `step`;
 * `eval/accuracy` (greedy held-out accuracy, `eval` events) at the step its version was published at
-  (the base model: step 0);
+  (the base model: step 0); complete evaluations only: a cut one (`partial: true`, past eval_timeout_s or
+  stopped with its worker) judged a subset of the prompts, so its accuracy is not the version's;
 * `sync/commit_to_loaded_s` (committed -> loaded on every replica, bucket/timeline.py) at the step of
   the version.
 
@@ -87,7 +88,9 @@ class Follower:
                 out.append((body["step"], metrics))
             elif kind == events.PUBLISHED and isinstance(body.get("version"), int):
                 self.version_step[body["version"]] = int(body.get("step") or 0)
-            elif kind == events.EVAL:
+            elif kind == events.EVAL and not body.get("partial"):
+                # A partial one is dropped here, not kept pending: it may have no accuracy at all (cut before
+                # any answer, or failed), and would wait for one forever.
                 self.pending_eval.append(body)
         still = []
         for body in self.pending_eval:  # an eval is logged once its version's step is known

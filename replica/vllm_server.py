@@ -117,6 +117,9 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
     ]
     if rc.max_num_seqs:
         argv += ["--max-num-seqs", str(rc.max_num_seqs)]
+    dtype = ("float32" if cpu else "") if rc.dtype == "auto" else rc.dtype
+    if dtype:
+        argv += ["--dtype", dtype]
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""

@@ -71,6 +71,14 @@ class RolloutConfig(BaseModel):
         8, ge=0, description="Evaluate every this many adapter versions (besides the base and the final version)."
     )
     eval_max_tokens: int = Field(32, ge=1, description="Max new tokens of an evaluation completion (greedy).")
+    eval_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="Bound on one evaluation, the final one included (0 = none): past it the prompts still out are "
+        "dropped and the `eval` event records a partial result (partial: true, cut, total judged of planned), "
+        "never reported as the version's accuracy. With eval_size it bounds how long the final evaluation holds "
+        "the end of a run.",
+    )
     eval_judge: str = Field(
         "rollout_worker.rewards:exact_match",
         description="Reward function that judges an evaluation answer correct (1.0) or not.",

@@ -11,11 +11,18 @@ The rollout worker runs it on the base model at start, every
 `eval_every_versions` adapter versions, and on the final version, as a task
 beside generation (its requests interleave with rollouts on the replicas);
 `brigade eval` runs it for chosen versions of a finished or running run.
+
+An evaluation is bounded: past `eval_timeout_s`, or when the worker is stopped (`Evaluator.stop`), the prompts
+still out are dropped and the ones done are judged; the `eval` event then says `partial: true`, why (`cut`:
+"timeout" or "stopped") and `planned` (the set's size) beside `total` (the prompts judged), so no reader
+takes a partial accuracy for the version's. An evaluation that failed outright is recorded the same way
+(`cut`: "failed", accuracy None): the summary names every version whose evaluation was cut or failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +35,10 @@ from rollout_worker.generation import Generator
 from rollout_worker.prompts import PromptData
 from rollout_worker.rewards import Scorer
 
+log = logging.getLogger("brigade.rollout")
+
+STOP_S = 10.0  # a stopped worker's wait for its cut evaluation to be judged and recorded (judging is quick)
+
 
 @dataclass
 class EvalResult:
@@ -36,10 +47,19 @@ class EvalResult:
     total: int
     seconds: float
     samples: list[tuple[str, str, float | None]]  # (prompt text, completion, judgement), for reading
+    planned: int = 0  # prompts in the evaluation set; `total` fewer when the evaluation was cut
+    cut: str | None = None  # why it ended early: "timeout", "stopped" (the worker stopping), "failed"
+    error: str = ""
 
     @property
-    def accuracy(self) -> float:
-        return self.correct / self.total if self.total else 0.0
+    def accuracy(self) -> float | None:
+        if not self.total:  # a cut evaluation that judged nothing has no accuracy, not 0
+            return None if self.cut else 0.0
+        return self.correct / self.total
+
+    @property
+    def partial(self) -> bool:
+        return self.cut is not None
 
 
 class Evaluator:
@@ -59,6 +79,7 @@ class Evaluator:
         self.scorer = Scorer([judge], [1.0], timeout_s)
         self.judge = judge
         self.limit = asyncio.Semaphore(concurrency)
+        self.stopping = asyncio.Event()
 
     async def _complete(self, model: str, row: dict[str, Any]) -> tuple[str, str]:
         async with self.limit:
@@ -71,21 +92,83 @@ class Evaluator:
             raise RuntimeError(f"evaluation request failed (HTTP {resp.status_code}): {resp.text[:300]}")
         return text, resp.json()["choices"][0]["text"]
 
-    async def evaluate(self, version: int, model: str) -> EvalResult:
+    def stop(self) -> None:
+        """Cut the evaluation in progress (if any): it judges the prompts done so far and returns (partial)."""
+        self.stopping.set()
+
+    async def evaluate(self, version: int, model: str, timeout_s: float | None = None) -> EvalResult:
+        """Every prompt of the set, greedy, judged; cut after `timeout_s` (None: no bound) or at `stop()`."""
         t0 = time.monotonic()
-        done = await asyncio.gather(*(self._complete(model, row) for row in self.rows))
+        tasks = [asyncio.create_task(self._complete(model, row)) for row in self.rows]
+        everything = asyncio.gather(*tasks, return_exceptions=True)
+        stopped = asyncio.create_task(self.stopping.wait())
+        try:
+            await asyncio.wait({everything, stopped}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Cut, or this task cancelled: the requests still out are dropped.
+            for task in (*tasks, stopped):
+                task.cancel()
+        cut = None
+        if not everything.done() or everything.cancelled():
+            cut = "stopped" if stopped.done() else "timeout"
+        if cut is None:
+            errors = [r for r in everything.result() if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        done = [
+            (row, t.result())
+            for row, t in zip(self.rows, tasks)
+            if t.done() and not t.cancelled() and not t.exception()
+        ]
         # TRL's convention: a chat prompt's completion is given to reward functions as a message
         given = [
-            [{"role": "assistant", "content": c}] if isinstance(row["prompt"], list) else c
-            for (_, c), row in zip(done, self.rows)
+            [{"role": "assistant", "content": c}] if isinstance(row["prompt"], list) else c for row, (_, c) in done
         ]
-        columns = {k: [row.get(k) for row in self.rows] for k in self.rows[0] if k != "prompt"} if self.rows else {}
-        scored = await self.scorer.score_batch(given, [r["prompt"] for r in self.rows], [[]] * len(given), columns)
-        if scored.failures:
-            raise RuntimeError(f"the evaluation judge {self.judge} failed: {scored.failures[0][1]}")
-        samples = [(t, c, r) for (t, c), r in zip(done, scored.totals)]
-        correct = sum(1 for r in scored.totals if r is not None and r >= 1.0)
-        return EvalResult(version, correct, len(samples), time.monotonic() - t0, samples)
+        totals: list[float | None] = []
+        if done:
+            rows = [row for row, _ in done]
+            columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
+            scored = await self.scorer.score_batch(given, [r["prompt"] for r in rows], [[]] * len(given), columns)
+            if scored.failures:
+                raise RuntimeError(f"the evaluation judge {self.judge} failed: {scored.failures[0][1]}")
+            totals = scored.totals
+        samples = [(t, c, r) for (_, (t, c)), r in zip(done, totals)]
+        correct = sum(1 for r in totals if r is not None and r >= 1.0)
+        return EvalResult(version, correct, len(samples), time.monotonic() - t0, samples, len(self.rows), cut)
+
+    async def run(self, ev: EventLog, version: int, model: str, timeout_s: float | None) -> None:
+        """Evaluate, record the result as an `eval` event and log it; a failure is recorded too, never raised (an
+        evaluation failing must not stop generation, and the summary names the version left unevaluated)."""
+        try:
+            result = await self.evaluate(version, model, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - recorded below
+            log.warning("evaluation of %s failed: %s: %s", model, type(exc).__name__, exc)
+            result = EvalResult(version, 0, 0, 0.0, [], len(self.rows), "failed", f"{type(exc).__name__}: {exc}")
+        self.emit(ev, result, model)
+        if result.cut == "failed":
+            return
+        if result.partial:
+            acc = "-" if result.accuracy is None else f"{result.accuracy:.3f}"
+            log.warning(
+                "evaluation of %s cut (%s) after %.1fs: %d of %d prompts judged, partial accuracy %s",
+                *(model, result.cut, result.seconds, result.total, result.planned, acc),
+            )
+        else:
+            log.info(
+                "held-out accuracy of %s: %.3f (%d/%d, %.1fs)",
+                *(model, result.accuracy, result.correct, result.total, result.seconds),
+            )
+
+    async def cut(self, task: asyncio.Task[None]) -> None:
+        """The worker stopping: `task` (running `run`), if still going, is cut, and given STOP_S to judge and record
+        what it has; a process being stopped has seconds, not minutes."""
+        if task.done():
+            return
+        self.stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), STOP_S)
+        except (TimeoutError, asyncio.CancelledError) as exc:  # `run` records every other failure itself
+            log.warning("the cut evaluation was not recorded (%s)", type(exc).__name__)
 
     def emit(self, ev: EventLog, result: EvalResult, model: str) -> None:
         ev.emit(
@@ -95,6 +178,8 @@ class Evaluator:
             accuracy=result.accuracy,
             correct=result.correct,
             total=result.total,
+            partial=result.partial,
+            **({"cut": result.cut, "planned": result.planned, "error": result.error[:500]} if result.partial else {}),
             eval_set=self.data.eval_id,
             eval_name=self.data.eval_name,
             judge=self.judge,

@@ -165,6 +165,8 @@ class Worker:
                 await self._collect_finished()
             await self._final_evaluation()
         finally:
+            if self.evaluator is not None and self.eval_task is not None:
+                await self.evaluator.cut(self.eval_task)  # one in progress is cut, and what it judged recorded
             await self.adapters.stop()
             self._stop()
 
@@ -215,34 +217,24 @@ class Worker:
     async def _evaluate(self, version: int) -> None:
         assert self.evaluator is not None
         self.evaluated.add(version)
-        model = self.adapters.model_name(version)
-        try:
-            with self.adapters.holding(version):  # not unloaded while it is evaluated
-                result = await self.evaluator.evaluate(version, model)
-        except Exception as exc:  # noqa: BLE001 - an evaluation failing must not stop generation
-            log.warning("evaluation of %s failed: %s: %s", model, type(exc).__name__, exc)
-            return
-        self.evaluator.emit(self.ev, result, model)
-        log.info(
-            "held-out accuracy of %s: %.3f (%d/%d, %.1fs)",
-            model,
-            result.accuracy,
-            result.correct,
-            result.total,
-            result.seconds,
-        )
+        with self.adapters.holding(version):  # not unloaded while it is evaluated
+            model = self.adapters.model_name(version)
+            await self.evaluator.run(self.ev, version, model, self.rc.eval_timeout_s or None)
 
     async def _final_evaluation(self) -> None:
-        """At the end of the run: the newest version (the trainer's final one) is evaluated before the worker exits."""
+        """At the end of the run: the newest version (the trainer's final one) is evaluated before the worker exits,
+        within `eval_timeout_s` like any evaluation, so it never holds the end of the run for longer."""
         if self.evaluator is None:
             return
         for task in self.tasks:  # the trainer is done: rollouts still in flight would only slow the evaluation
             task.cancel()
         await self.adapters.sync(wait=True)
         if self.eval_task is not None:
-            await self.eval_task
+            # shielded: a stop signal lands in run()'s `finally`, which cuts the evaluation and records it
+            await asyncio.shield(self.eval_task)
         if self.adapters.version not in self.evaluated:
-            await self._evaluate(self.adapters.version)
+            self.eval_task = asyncio.create_task(self._evaluate(self.adapters.version))
+            await asyncio.shield(self.eval_task)
 
     async def _pause(self) -> None:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not

@@ -25,6 +25,17 @@ def test_run_succeeds_and_prints_summary(local_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "trained samples/s" in proc.stdout
     assert "adapter versions" in proc.stdout
+    assert any(line.startswith("CPU ") for line in proc.stdout.splitlines()[:5])  # what the CPU has, first
+
+
+def test_a_finished_run_is_not_cut_and_names_its_cpu(local_run):
+    _, store = local_run
+    run_dir = store.root.rsplit("/", 1)[0]
+    with open(f"{run_dir}/summary.json") as f:
+        s = json.load(f)
+    assert s["cut"] is None and s["cut_note"] == "" and s["done"]
+    assert s["final_evaluation"] == "complete" and s["evaluations_cut"] == []
+    assert s["cpu"]["cpu_cores"] >= 1 and "avx2" in s["cpu"]["cpu_flags"]
 
 
 def test_adapters_published_and_loaded_on_both_replicas(local_run):

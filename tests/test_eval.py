@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO_ROOT, free_port, make_adapter_files, stop, wait_http
+from conftest import REPO_ROOT, free_port, host_timeout, make_adapter_files, stop, wait_http
 
 from bucket import adapters, events
 from infra.summary import render, summarize
@@ -36,7 +36,7 @@ def test_eval_of_the_base_and_a_version_through_the_proxy(vllm_replicas, model_d
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=host_timeout(600),  # generating 2 x 24 answers on the replicas
         )
     finally:
         stop(proxy)

@@ -1,4 +1,5 @@
-"""Ctrl-C on `brigade local` on a terminal: the live view is drawn, and nothing the run started survives.
+"""Ctrl-C on `brigade local` on a terminal, and its wall limit: nothing the run started survives, and the summary
+of what the bucket holds is still written, saying what cut the run.
 
 `brigade local` runs in a pseudo-terminal of its own (so stdout is a TTY and it draws its rich live view)
 and in a process group of its own, which gets SIGINT as a terminal's Ctrl-C sends it, once the trainer has
@@ -9,6 +10,7 @@ vLLM and its engine, the proxy, the rollout worker and its reward pool, the trai
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -103,7 +105,13 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
         "2",
         "--rollout.max-completion-length",
         "8",
+        # The base's evaluation is cut by its bound (200 prompts cannot all be answered in 3 s): recorded as
+        # partial, which the summary names and never reports as the base's accuracy.
         "--rollout.eval-size",
+        "200",
+        "--rollout.eval-timeout-s",
+        "3",
+        "--rollout.eval-every-versions",
         "0",
         "--proxy.port",
         str(proxy_port),
@@ -161,3 +169,57 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
     assert "in a browser: brigade dashboard --bucket" in shown
     for text in ("versions", "last sync", "reward", "replica-0"):
         assert text in shown, (text, shown[-4000:])
+
+    # the summary, written after every job stopped, from what the bucket holds; it says the run was interrupted
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["cut"] == "interrupted" and summary["adapter_versions"] >= 1, summary
+    assert summary["cut_note"].startswith("interrupted (Ctrl-C or SIGTERM) after "), summary["cut_note"]
+    assert "summary written to" in shown and summary["cut_note"] in shown.replace("\r\n", "\n"), shown[-4000:]
+    cut = [c for c in summary["evaluations_cut"] if c["version"] == 0]
+    assert cut and cut[0]["cut"] == "timeout" and cut[0]["planned"] == 200 and cut[0]["judged"] < 200, summary
+    assert summary["base_accuracy"] is None  # a partial evaluation is not the base's accuracy
+
+
+def test_the_wall_limit_stops_everything_and_still_writes_the_summary(tmp_path, model_dir):
+    """Cut while its replica is still starting (or, on a machine fast enough, training): whenever the wall limit
+    falls, every job is stopped and the summary is written with the cut named, exit code 1."""
+    bucket = tmp_path / "bucket"
+    proxy_port = free_port()
+    max_wall_s = 40  # the jobs are stopped at 20 s (the shutdown grace is at most half of the limit)
+    cmd = brigade_local(
+        str(bucket),
+        model_dir,
+        *("--local.num-replicas", "1", "--trainer.max-steps", "100", "--local.max-wall-s", str(max_wall_s)),
+        *("--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}"),
+        *("--local.base-port", str(free_port()), "--trainer.metrics-port", str(free_port())),
+        *("--rollout.metrics-port", str(free_port())),
+    )
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + max_wall_s + 300  # stopping a replica may take its 60 s grace
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, out.read_text()[-4000:]
+            seen.update(_descendants(proc.pid))
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(240)
+    text = out.read_text()
+    assert proc.returncode == 1, text[-4000:]
+    assert any("-m replica" in c for c in seen.values()), seen  # it got as far as starting the jobs
+    time.sleep(1)
+    left = _alive(seen) | {pid: c for pid, (_, st, c) in _processes().items() if str(tmp_path) in c and st != "Z"}
+    assert not left, left
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["cut"] == "wall_limit", summary
+    assert summary["cut_note"].startswith(f"cut at the wall limit of {max_wall_s} s after "), summary["cut_note"]
+    assert summary["wall_s"] < max_wall_s + 90  # stopped in time: the grace before the limit, then the stop
+    assert set(summary["cpu"]["cpu_flags"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    # printed: the CPU line first, the error, then the summary naming the cut
+    assert any(line.startswith("CPU ") for line in text.splitlines()[:5]), text[:500]
+    assert "--local.max-wall-s 40s" in text and summary["cut_note"] in text and "summary written to" in text, text

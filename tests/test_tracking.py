@@ -85,3 +85,25 @@ def test_no_tracking_library_is_imported_unless_asked():
     code = "import sys, infra.tracking, infra.cli, trainer.main, rollout_worker.main; print('wandb' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_a_cut_evaluation_is_not_logged_as_the_versions_accuracy(tmp_path):
+    # fast: hand-made events, no run; a partial eval (cut, or failed with no accuracy) is never eval/accuracy
+    from bucket.events import EventLog
+    from bucket.store import Store
+    from infra.tracking import Follower
+
+    store = Store(str(tmp_path / "bucket"))
+    store.check_reachable(create=True)
+    trainer, rollout = EventLog(store, "trainer"), EventLog(store, "rollout")
+    rollout.emit(events.EVAL, version=0, accuracy=0.25, correct=4, total=16, partial=False)
+    trainer.emit(events.PUBLISHED, version=1, step=3, committed_at=0.0, lora_name="r-v1")
+    trainer.emit(events.PUBLISHED, version=2, step=6, committed_at=0.0, lora_name="r-v2")
+    rollout.emit(events.EVAL, version=1, accuracy=0.9, correct=9, total=10, partial=True, cut="timeout", planned=16)
+    rollout.emit(events.EVAL, version=2, accuracy=None, correct=0, total=0, partial=True, cut="failed", planned=16)
+    follower = Follower(store)
+    logged = [(step, m) for step, m in follower.poll() if "eval/accuracy" in m]
+    assert logged == [(0, {"eval/accuracy": 0.25})]
+    assert follower.pending_eval == []  # nothing left waiting for an accuracy that never comes
+    rollout.emit(events.EVAL, version=2, accuracy=0.5, correct=8, total=16, partial=False)
+    assert [(s, m) for s, m in follower.poll() if "eval/accuracy" in m] == [(6, {"eval/accuracy": 0.5})]

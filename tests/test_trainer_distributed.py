@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port, host_timeout  # noqa: E402
 from test_grpo_packing import _groups, _model  # noqa: E402
 
 from bucket.rollouts import GroupId  # noqa: E402
@@ -56,7 +56,7 @@ def test_two_ranks_sum_to_the_single_process_gradient(tmp_path):
         str(free_port()),
         __file__,
     ]
-    proc = subprocess.run([*cmd, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([*cmd, str(tmp_path)], env=env, capture_output=True, text=True, timeout=host_timeout(240))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     from safetensors.torch import load_file
 
@@ -112,7 +112,9 @@ def test_torchrun_launches_the_training_loop(tmp_path, model_dir):
     cmd += ["--trainer.groups-per-step", "2", "--trainer.token-budget", "32", "--trainer.torch-threads", "1"]
     cmd += ["--trainer.metrics", "false", "--trainer.rollout-wait-s", "30"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(HERE))
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=host_timeout(300), cwd=os.path.dirname(HERE)
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert adapters.committed_versions(store) == [1, 2, 3]  # the untrained adapter, then one per step
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]

@@ -73,8 +73,11 @@ def main(proxy_url: str, model_dir: str, output_dir: str, max_steps: int) -> Non
         max_staleness=1,
         weight_sync_steps=1,
         learning_rate=1e-4,
-        token_budget=512,
+        token_budget=256,  # a step's packed row: ~3 groups of 4 sharing their 38-token prompt, so few rollouts
         max_inflight_tasks=4,
+        # A short buffer: the rollout child generates little ahead of the trainer on a 2-core machine, and at
+        # the end it exits at once (with many samples unread in its queue it outlived TRL's 15 s join).
+        queue_maxsize=8,
         use_cpu=True,
         report_to="none",
         save_strategy="no",

@@ -1,0 +1,61 @@
+"""What `brigade local` prints while its run goes on, read back from the bucket's events."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bucket import appendlog, events, layout
+from bucket.store import Store
+from infra.dashboard.terminal import LiveView
+
+
+def progress_display(store: Store) -> Progress | LiveView:
+    """A live view when stdout is a terminal; else one plain line per event (a log file, CI, a pipe)."""
+    return LiveView(store) if sys.stdout.isatty() else Progress(store)
+
+
+class Progress:
+    """Prints what the jobs report to the bucket, reading only new events."""
+
+    def __init__(self, store: Store):
+        self.store, self.cursors = store, {}
+
+    def close(self) -> None:
+        pass  # every line is printed already
+
+    def poll(self) -> None:
+        new = appendlog.read_after(self.store, layout.EVENTS, self.cursors)
+        for rec in new:
+            self.cursors[rec.writer] = rec.seq
+        for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
+            if e["kind"] == events.TRAIN_STEP:
+                print(
+                    f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
+                    f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s",
+                    flush=True,
+                )
+            elif e["kind"] == events.PUBLISHED:
+                print(f"  adapter v{e['version']} published at step {e['step']}", flush=True)
+            elif e["kind"] == events.LOADED_ALL:
+                print(
+                    f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)",
+                    flush=True,
+                )
+            elif e["kind"] == events.EVAL and e.get("partial"):
+                acc = "-" if e.get("accuracy") is None else f"{e['accuracy']:.3f}"
+                print(
+                    f"  evaluation of v{e['version']} {e.get('cut', 'cut')}: partial accuracy {acc} on "
+                    f"{e['total']} of {e.get('planned', '?')} prompts ({e['seconds']:.0f}s), not the version's",
+                    flush=True,
+                )
+            elif e["kind"] == events.EVAL:
+                print(
+                    f"  held-out accuracy of v{e['version']}: {e['accuracy']:.3f} ({e['correct']}/{e['total']}, "
+                    f"{e['seconds']:.0f}s)",
+                    flush=True,
+                )
+            elif e["kind"] == events.CURRICULUM:
+                print(f"  curriculum: training prompts now at level {e['level']}", flush=True)
+            elif e["kind"] == events.LOAD_FAILED:
+                print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
