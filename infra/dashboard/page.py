@@ -154,7 +154,10 @@ def figures(s: dict[str, Any]) -> str:
             + _metric("final_accuracy_version", s.get("final_accuracy_version"), str(s.get("final_accuracy_version")))
             + ", "
             + _metric("accuracy_curve", s.get("accuracy_curve", []), str(len(s.get("accuracy_curve", []))))
-            + " evaluations",
+            + " evaluations, "
+            + _metric("evaluations_cut", s.get("evaluations_cut", []), str(len(s.get("evaluations_cut", []))))
+            + " cut; final version's: "
+            + _metric("final_evaluation", s.get("final_evaluation"), str(s.get("final_evaluation") or "-")),
         )
         + fig(
             "reward functions",
