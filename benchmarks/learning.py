@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                     (round(c["t"] / 60, 2), c["version"], c["accuracy"]) for c in s.get("accuracy_curve", [])
                 ],
                 "plot": png,
+                "cut": s.get("cut"),  # None for a run that finished; else why brigade local ended it early
+                "final_evaluation": s.get("final_evaluation"),
+                "evaluations_cut": len(s.get("evaluations_cut") or []),
+                "sized_for_cpu": s.get("sized_for_cpu"),  # the evaluation sizes brigade local chose for this CPU
                 "load_avg_before": before,
                 "load_avg_after": after,
             }

@@ -21,7 +21,7 @@ import termios
 import threading
 import time
 
-from conftest import REPO_ROOT, brigade_local, free_port
+from conftest import REPO_ROOT, brigade_local, free_port, host_timeout
 
 from bucket import adapters
 from bucket.store import Store
@@ -124,7 +124,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
         "--rollout.metrics-port",
         str(free_port()),
         "--local.max-wall-s",
-        "600",
+        str(host_timeout(600)),
     )
     term = _Terminal()
     proc = subprocess.Popen(
@@ -133,12 +133,13 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
     seen: dict[int, str] = {}
     store = Store(str(bucket))
     try:
-        deadline = time.monotonic() + 480
+        deadline = time.monotonic() + host_timeout(480)
         published_at = None
         # until v1 is out and the live view has drawn it (the loop redraws every 2 s)
         while published_at is None or time.monotonic() < published_at + 6:
             assert proc.poll() is None, term.text()[-4000:]
-            assert time.monotonic() < deadline, "no adapter version published within 480 s:\n" + term.text()[-4000:]
+            late = f"no adapter version published within {host_timeout(480):.0f} s:\n"
+            assert time.monotonic() < deadline, late + term.text()[-4000:]
             seen.update(_descendants(proc.pid))
             if published_at is None and store.exists("run.json") and (adapters.latest_version(store) or 0) >= 1:
                 published_at = time.monotonic()
