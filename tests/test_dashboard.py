@@ -212,6 +212,26 @@ def test_summary_figures_health_and_unknown_kinds(tmp_path):
     )
 
 
+def test_an_inconclusive_probe_turns_the_banner_red_naming_version_and_replica(tmp_path):
+    """The proxy refused v2 because r1's canary answer could not tell it from the base (proxy/probe.py): never a
+    pass, so v2 is live nowhere and the banner says which replica and why, in the proxy's words."""
+    store = synthetic_run(tmp_path / "bucket")
+    info = dict(url="http://x", adapter_root="/a", base_model="m", block_size=16, max_loras=4, started_at=0.0)
+    for rid in ("r0", "r1"):
+        replicas.register(store, ReplicaInfo(replica_id=rid, **info))
+    why = "inconclusive for r-v000002: its shift from the base, 0.14 ± 0.19, could be above or below 0.25"
+    _event(store, "rollout-w-events", "adapter_detected", 108.3, version=2)
+    _event(store, "proxy-a", "adapter_probe_failed", 103.6, version=2, replica="r1", result="inconclusive", reason=why)
+    failed = {"r1": f"canary probe: {why}"}
+    _event(store, "proxy-a", "adapter_load_failed", 103.7, version=2, lora_name="r-v000002", failed=failed)
+    data = RunData(store)
+    data.refresh()
+    h = health.check(data, grace_s=0)
+    assert h.state == "fault"
+    assert any(f.startswith("loading v2 failed on r1: canary probe: inconclusive") for f in h.faults), h.faults
+    assert all("v2" in f for f in h.faults), h.faults  # r0 lacks it too: refused everywhere, all or nothing
+
+
 # -- the real run in headless Chromium ---------------------------------------------------------------------
 class _Dom(HTMLParser):
     """The `data-metric` figures (exact value and the text shown) and the banner of a dumped DOM."""
