@@ -33,7 +33,21 @@ class ProxyConfig(BaseModel):
         0.25, gt=0, description="How often each replica's /health is probed (the active half of ejection)."
     )
     probe_timeout_s: float = Field(
-        0.75, gt=0, description="A replica whose /health does not answer within this is ejected."
+        0.75,
+        gt=0,
+        description="The least time a replica's /health is given; the timeout follows the replica's observed /health "
+        "latency (4x, up to probe_timeout_max_s), and a replica that answered a generation within busy_grace_s "
+        "is busy, not dead: its /health running out of time does not eject it. A refused or broken connection "
+        "ejects at once.",
+    )
+    probe_timeout_max_s: float = Field(
+        10.0, gt=0, description="The most time a replica's /health is given, however slow it has been."
+    )
+    busy_grace_s: float = Field(
+        5.0,
+        ge=0,
+        description="A replica that answered a generation this recently is alive: a /health that runs out of time "
+        "then stretches its timeout instead of ejecting it (0 = judge /health alone).",
     )
     load_retry_s: float = Field(
         60.0, ge=0, description="How long to retry 'No adapter found' on a replica (a mount or mirror catching up)."

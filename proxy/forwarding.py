@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -212,6 +213,7 @@ class Forwarder:
                 router.finish(decision)
                 raise
             break
+        state.answered_at[rid] = time.monotonic()  # it answered: alive, however slow its /health
 
         def done(ok: bool) -> None:
             rslot.release()

@@ -9,9 +9,13 @@ loses its adapters) stops receiving traffic at the next refresh.
 A replica that fails is *ejected* long before its heartbeat times out: at
 once when it refuses a connection or breaks off before answering (the
 forwarder reports it: the passive half of the circuit breaker), or when its
-/health does not answer within `probe_timeout_s` (probed every
-`probe_interval_s`: the active half). An ejected replica is re-admitted like a
-joiner, once /health answers again and it holds every live adapter.
+/health does not answer in time (probed every `probe_interval_s`: the active
+half). In time means within 4x the replica's own observed /health latency,
+between `probe_timeout_s` and `probe_timeout_max_s`; and a replica that
+answered a generation within `busy_grace_s` is busy, not dead: a saturated
+vLLM queues /health behind its batch, so a timeout then only stretches the
+next one. An ejected replica is re-admitted like a joiner, once /health
+answers again and it holds every live adapter.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class Membership:
         self._last_healthy: dict[str, float] = {}  # static replicas: when /health last said 200
         self._refresher: asyncio.Task | None = None
         self._prober: asyncio.Task | None = None
+        self.health_latency: dict[str, float] = {}  # replica -> smoothed seconds of its answered /health probes
+        self.busy_health_timeouts: dict[str, int] = {}  # /health ran out of time while the replica was answering
         self.ejected: dict[str, str] = {}  # replica id -> why; still registered, receives no traffic
         self.ejections: dict[tuple[str, str], int] = {}  # (replica, cause) -> count, for metrics
         self.readmissions: dict[str, int] = {}
@@ -200,16 +206,38 @@ class Membership:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def health_timeout(self, replica_id: str) -> float:
+        """The time a replica's /health is given: 4x its observed latency, within the configured bounds."""
+        cfg = self.state.config
+        return min(cfg.probe_timeout_max_s, max(cfg.probe_timeout_s, 4 * self.health_latency.get(replica_id, 0.0)))
+
+    def busy(self, replica_id: str) -> bool:
+        """Answering generations: alive, whatever its /health says about time (the passive signal comes first)."""
+        answered = self.state.answered_at.get(replica_id)
+        return answered is not None and time.monotonic() - answered <= self.state.config.busy_grace_s
+
     async def _probe_forever(self) -> None:
         """The active half of ejection: every routable replica's /health, every probe_interval_s."""
         cfg = self.state.config
         running: dict[str, asyncio.Task] = {}
 
         async def probe(info: ReplicaInfo) -> None:
-            problem = await self.upstream.health_problem(info, cfg.probe_timeout_s)
-            current = self.state.routable.get(info.replica_id)
-            if problem is not None and current is not None and _incarnation(current) == _incarnation(info):
-                self.eject(info.replica_id, problem, cause="health_probe")
+            rid = info.replica_id
+            timeout = self.health_timeout(rid)
+            answer = await self.upstream.health(info, timeout)
+            if answer.problem is None:
+                seen = self.health_latency.get(rid)
+                self.health_latency[rid] = answer.seconds if seen is None else 0.8 * seen + 0.2 * answer.seconds
+                return
+            if answer.timed_out and self.busy(rid):
+                # A saturated replica queues /health behind its generation; it is answering, so it is alive:
+                # give its /health longer next time instead of ejecting it.
+                self.health_latency[rid] = max(self.health_latency.get(rid, 0.0), timeout)
+                self.busy_health_timeouts[rid] = self.busy_health_timeouts.get(rid, 0) + 1
+                return
+            current = self.state.routable.get(rid)
+            if current is not None and _incarnation(current) == _incarnation(info):
+                self.eject(rid, answer.problem, cause="health_probe")
 
         while True:
             await asyncio.sleep(cfg.probe_interval_s)

@@ -31,6 +31,9 @@ class ProxyState:
     metrics: ProxyMetrics
     routable: dict[str, ReplicaInfo] = field(default_factory=dict)
     loaded: dict[str, AdapterRef] = field(default_factory=dict)  # lora_name -> version: on every routable replica
+    # replica -> when it last answered a generation (the passive health signal: a replica that answers is alive,
+    # however slow its /health is while it is busy)
+    answered_at: dict[str, float] = field(default_factory=dict)
     paused_query: str | None = None  # set while paused, so joiners are paused too
     adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the

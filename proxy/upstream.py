@@ -56,6 +56,13 @@ def _no_answer(info: ReplicaInfo, exc: httpx.HTTPError, attempts: int = 1) -> Re
     )
 
 
+@dataclass
+class HealthAnswer:
+    problem: str | None  # None: /health answered 200
+    timed_out: bool  # it only ran out of time (a busy replica can); a refused or broken connection did not
+    seconds: float
+
+
 class Upstream:
     """One HTTP client to every replica (opened by `open`), sending the replicas' bearer token on each call."""
 
@@ -97,13 +104,19 @@ class Upstream:
 
     async def health_problem(self, info: ReplicaInfo, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         """None when /health answers 200 within `timeout`, else what went wrong."""
+        return (await self.health(info, timeout)).problem
+
+    async def health(self, info: ReplicaInfo, timeout: float) -> HealthAnswer:
+        """/health within `timeout`: what went wrong (None = 200), whether it only ran out of time, how long."""
+        t0 = time.monotonic()
         try:
             resp = await self.probe(info, "/health", timeout=timeout)
         except httpx.TimeoutException:
-            return f"/health did not answer within {timeout:g}s"
+            return HealthAnswer(f"/health did not answer within {timeout:g}s", True, time.monotonic() - t0)
         except httpx.HTTPError as exc:
-            return f"/health failed ({type(exc).__name__}: {exc})"
-        return None if resp.status_code == 200 else f"/health answered {resp.status_code}"
+            return HealthAnswer(f"/health failed ({type(exc).__name__}: {exc})", False, time.monotonic() - t0)
+        problem = None if resp.status_code == 200 else f"/health answered {resp.status_code}"
+        return HealthAnswer(problem, False, time.monotonic() - t0)
 
     async def post(
         self, info: ReplicaInfo, path: str, body: Any = None, query: str = "", timeout: float | None = None

@@ -38,7 +38,8 @@ ANSWER = json.dumps({"choices": [{"text": "ok", "token_ids": [1], "logprobs": {"
 
 class RawUpstream(asyncio.Protocol):
     """A loopback "replica" whose behaviour for generations is `mode`: ok, drop (close right after reading the
-    request), stream_break (two SSE events, then a reset), hang_health (never answers /health)."""
+    request), stream_break (two SSE events, then a reset), hang_health (never answers /health), slow_health (answers
+    /health after `health_delay_s`, generations at once)."""
 
     def __init__(self, server: RawServer) -> None:
         self.server = server
@@ -62,7 +63,11 @@ class RawUpstream(asyncio.Protocol):
         if self.url.startswith(b"/health"):
             if mode == "hang_health":
                 return
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+            if mode == "slow_health":  # a saturated vLLM: /health waits behind the batch, generations still answer
+                asyncio.get_running_loop().call_later(srv.health_delay_s, self.transport.write, ok)
+                return
+            self.transport.write(ok)
             return
         if not self.url.startswith(b"/v1/completions"):
             self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}")
@@ -92,6 +97,7 @@ class RawServer:
     def __init__(self, mode: str = "ok") -> None:
         self.mode = mode
         self.generations = 0
+        self.health_delay_s = 1.5
         self.closed = 0  # connections that ended
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -210,6 +216,47 @@ def test_a_replica_whose_health_hangs_is_ejected_within_a_second(tmp_path):
             assert took <= 1.0, took
             assert "did not answer" in proxy.membership.ejected[slow.url]
         slow.close()
+        good.close()
+
+    asyncio.run(body())
+
+
+def test_a_busy_replica_whose_health_is_slow_is_not_ejected(tmp_path):
+    """A saturated replica answers /health late (here 1.5 s, beyond the 0.5 s floor) while it keeps answering
+    generations: it is busy, not dead. It stays routable through traffic and after it (its /health timeout has
+    followed its latency), while one that stops answering /health altogether is still ejected within a second.
+    Loopback fakes: no real vLLM can be made to delay /health alone, on demand."""
+    store, manifest = make_store(tmp_path)
+
+    async def body():
+        busy, good = await RawServer().start(), await RawServer().start()
+        cfg = ProxyConfig(
+            replica_urls=[busy.url, good.url], refresh_s=0.1, probe_interval_s=0.25, probe_timeout_s=0.5, busy_grace_s=2
+        )
+        proxy = Proxy(cfg, store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            assert len(proxy.routable) == 2
+            busy.mode = "slow_health"
+            end = time.monotonic() + 4
+            i = 0
+            while time.monotonic() < end:  # traffic on both replicas (new prompts spread by load)
+                answers = await asyncio.gather(
+                    *(client.post("/v1/completions", json=completion(i + j)) for j in range(4))
+                )
+                assert [a.status_code for a in answers] == [200] * 4
+                assert busy.url in proxy.routable, proxy.membership.ejected
+                i += 4
+                await asyncio.sleep(0.1)
+            assert proxy.membership.busy_health_timeouts.get(busy.url, 0) >= 1  # it did run out of time, busy
+            assert proxy.membership.health_timeout(busy.url) >= busy.health_delay_s  # and its timeout followed
+            await asyncio.sleep(3)  # idle past busy_grace_s: /health answers within the timeout it has learnt
+            assert busy.url in proxy.routable, proxy.membership.ejected
+            good.mode = "hang_health"  # idle and silent: dead as far as anyone can tell
+            t0 = time.monotonic()
+            while good.url in proxy.routable:
+                await asyncio.sleep(0.01)
+            assert time.monotonic() - t0 <= 1.5
+        busy.close()
         good.close()
 
     asyncio.run(body())
