@@ -42,20 +42,23 @@ class Progress:
                     f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)",
                     flush=True,
                 )
-            elif e["kind"] == events.EVAL and e.get("partial"):
-                acc = "-" if e.get("accuracy") is None else f"{e['accuracy']:.3f}"
-                print(
-                    f"  evaluation of v{e['version']} {e.get('cut', 'cut')}: partial accuracy {acc} on "
-                    f"{e['total']} of {e.get('planned', '?')} prompts ({e['seconds']:.0f}s), not the version's",
-                    flush=True,
-                )
             elif e["kind"] == events.EVAL:
-                print(
-                    f"  held-out accuracy of v{e['version']}: {e['accuracy']:.3f} ({e['correct']}/{e['total']}, "
-                    f"{e['seconds']:.0f}s)",
-                    flush=True,
-                )
+                print(_eval_line(e), flush=True)
             elif e["kind"] == events.CURRICULUM:
                 print(f"  curriculum: training prompts now at level {e['level']}", flush=True)
             elif e["kind"] == events.LOAD_FAILED:
                 print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
+
+
+def _eval_line(e: dict) -> str:
+    """An `eval` event in words; a cut one's accuracy is said to be partial, never the version's."""
+    if e.get("partial"):
+        acc = "-" if e.get("accuracy") is None else f"{e['accuracy']:.3f}"
+        return (
+            f"  evaluation of v{e['version']} {e.get('cut', 'cut')}: partial accuracy {acc} on "
+            f"{e['total']} of {e.get('planned', '?')} prompts ({e['seconds']:.0f}s), not the version's"
+        )
+    return (
+        f"  held-out accuracy of v{e['version']}: {e['accuracy']:.3f} ({e['correct']}/{e['total']}, "
+        f"{e['seconds']:.0f}s)"
+    )

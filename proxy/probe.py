@@ -42,8 +42,6 @@ PROBE_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
 # The least per-token noise assumed, however well one answer happens to fit: a float32 CPU replica's answers are
 # ~0.0001 from the trainer's (benchmarks/probe_margin.py), a bf16 replica's 0.02-0.07.
 NOISE_FLOOR = 0.001
-# Results that admit the version on the replica.
-ADMITTED = frozenset({"pass", "near_base", "no_canary"})
 
 
 @dataclass

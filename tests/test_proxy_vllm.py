@@ -154,29 +154,16 @@ def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, 
 
 
 def _adapter_and_canary(model_dir: str, out_dir: str, b_std: float, seed: int) -> tuple[dict[str, bytes], Any]:
-    """A rank-1 adapter whose B is drawn with `b_std` (0 = the base model), and its canary from the trainer's code."""
+    """A rank-1 adapter whose B is drawn with `b_std` (0 = the base model), its files, and its canary from the
+    trainer's code (benchmarks/probe_margin.py makes them the same way)."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from bucket.manifest import RunSpec
-    from trainer.canary import compute_canary
+    from benchmarks.probe_margin import make_adapter
 
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    spec = RunSpec()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(
-        model,
-        LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules),
-    )
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, b_std) if b_std > 0 else p.zero_()
-    peft_model.save_pretrained(out_dir)
+    canary = make_adapter(model_dir, out_dir, b_std, seed)
     files = {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}
-    return files, compute_canary(peft_model)
+    return files, canary
 
 
 class _NoisyAnswers:
