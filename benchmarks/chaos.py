@@ -38,7 +38,6 @@ from typing import Any
 from benchmarks.report import with_cpu
 from bucket import events, replicas
 from bucket.rollouts import ShardRead, read_shards
-from bucket.settings import default_model_dir
 from bucket.store import Store
 from infra import audit
 from infra.audit import MUST_BE_ZERO
@@ -48,6 +47,7 @@ from infra.local import write_config
 from infra.prepare_model import prepare_model
 from infra.s3faults import INTERNAL, LOST, SLOWDOWN, TIMEOUT, FaultyS3
 from infra.s3server import LOOPBACK_CREDENTIALS, create_bucket, environment, listen_ports, start_loopback_s3
+from jobkit.settings import default_model_dir
 
 log = logging.getLogger("brigade.chaos")
 

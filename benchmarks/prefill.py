@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--model-path", default="")
     args = ap.parse_args()
-    from bucket.settings import default_model_dir
+    from jobkit.settings import default_model_dir
 
     model_path = args.model_path or default_model_dir()
     if not os.path.isfile(os.path.join(model_path, "config.json")):

@@ -34,9 +34,10 @@ from benchmarks.report import with_cpu
 from bucket import replicas
 from bucket.manifest import RunSpec, init_or_check
 from bucket.replicas import ReplicaInfo
-from bucket.settings import default_model_dir
 from bucket.store import Store
+from bucket.version import Version
 from infra.prepare_model import prepare_model
+from jobkit.settings import default_model_dir
 from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
 from proxy.metrics import ProxyMetrics
@@ -94,7 +95,7 @@ async def judge_all(info: ReplicaInfo, cases: list[dict[str, Any]], store: Store
                     resp = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
                     resp.raise_for_status()
                     t0 = time.monotonic()
-                    verdict = await prober.probe(info, AdapterRef(name, i + 1, f"v{i + 1:06d}", case["canary"]))
+                    verdict = await prober.probe(info, AdapterRef(name, Version(i + 1), case["canary"]))
                     case[served] = {"result": verdict.result, "probe_s": round(time.monotonic() - t0, 3)}
                     case[served].update(verdict.numbers)
                     await client.post("/v1/unload_lora_adapter", json={"lora_name": name})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from machine.cpu import cpu_info
+from jobkit.cpu import cpu_info
 
 
 def with_cpu(result: dict[str, Any]) -> dict[str, Any]:

@@ -34,11 +34,11 @@ from benchmarks.report import with_cpu
 from bucket import replicas
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import read_shards
-from bucket.settings import default_model_dir
 from bucket.store import Store
 from bucket.tokenizer_id import fingerprint
 from infra.prepare_model import prepare_model
 from infra.s3server import free_port
+from jobkit.settings import default_model_dir
 from rollout_worker.config import RolloutConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

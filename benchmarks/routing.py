@@ -44,6 +44,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import with_cpu  # noqa: E402
+from bucket.version import Version  # noqa: E402
 from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter  # noqa: E402
 
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57, 36]
@@ -186,7 +187,7 @@ def simulate(policy_name: str, n_replicas: int, args: argparse.Namespace, n_per_
         g = started
         started += 1
         version = 1 + (g * G) // args.version_every
-        name = f"run-v{version:06d}"
+        name = Version(version).lora_name("run")
         tokens = TEMPLATE + [rng.randrange(300, 49000) for _ in range(rng.randint(40, 200))]
         lengths = [max(16, min(3000, int(rng.lognormvariate(0, 1) * 300))) for _ in range(G)]
         blocks = kv_hashes(tokens, name, args.kv_block)

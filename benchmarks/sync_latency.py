@@ -8,7 +8,7 @@ initial one, then one per optimizer step) while the system generates and
 trains. S3 is moto's S3 server on loopback, reached through s3fs like a
 cloud bucket; the replicas get adapters through their mirror.
 
-Read back from the run's events through bucket/timeline.py, per bucket:
+Read back from the run's events through infra/timeline.py, per bucket:
 
   p50_s, p95_s, max_s   committed -> loaded on every replica, over every version loaded (the first included)
   step_to_first_rollout_p50_s   trainer step done -> first rollout generated with the version it published
@@ -37,10 +37,10 @@ from typing import Any
 from benchmarks.report import with_cpu
 from bucket import events
 from bucket.store import Store
-from bucket.timeline import Timeline
 from infra.config import load
 from infra.local import run as run_local
 from infra.s3server import create_bucket, environment, listen_ports, start_loopback_s3
+from infra.timeline import Timeline
 
 BUCKETS = ("local", "s3")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from bucket import layout
 from bucket.store import BucketError, NotFound, Store
+from bucket.version import Version
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 CLAIM = "CLAIM.json"
@@ -31,24 +32,26 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def next_version(store: Store) -> int:
+def next_version(store: Store) -> Version:
     """One past every version folder ever started, committed or not: names are never reused."""
-    versions = [v for v in (layout.parse_version_dir(n) for n in store.list(layout.ADAPTERS)) if v is not None]
-    return max(versions, default=0) + 1
+    return Version(max(Version.among(store.list(layout.ADAPTERS)), default=0) + 1)
 
 
-def claim_version(store: Store, owner: str = "") -> int:
+def claim_version(store: Store, owner: str = "") -> Version:
     """A new version name that no other writer has or will get: one past every folder, created exclusively."""
     while True:
         version = next_version(store)
         claim = json.dumps({"version": version, "owner": owner, "claimed_at": time.time()}).encode()
-        if store.put_if_absent(f"{layout.adapter_key(version)}/{CLAIM}", claim):
+        if store.put_if_absent(f"{version.key}/{CLAIM}", claim):
             return version
         # another writer took this number between our listing and our create: list again
 
 
-def publish(store: Store, version: int, files: dict[str, bytes], meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    key = layout.adapter_key(version)
+def publish(
+    store: Store, version: Version, files: dict[str, bytes], meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    version = Version(version)
+    key = version.key
     if store.exists(f"{key}/{layout.COMMIT_MARKER}"):
         raise BucketError(f"adapter {key} is already committed; versions are immutable")
     for name, data in files.items():
@@ -64,41 +67,37 @@ def publish(store: Store, version: int, files: dict[str, bytes], meta: dict[str,
     return marker
 
 
-def commit_marker(store: Store, version: int) -> dict[str, Any] | None:
+def commit_marker(store: Store, version: Version) -> dict[str, Any] | None:
     try:
-        return store.get_json(f"{layout.adapter_key(version)}/{layout.COMMIT_MARKER}")
+        return store.get_json(f"{Version(version).key}/{layout.COMMIT_MARKER}")
     except NotFound:
         return None
 
 
-def latest_version(store: Store) -> int | None:
+def latest_version(store: Store) -> Version | None:
     """Newest committed version, from the LATEST pointer (one small read)."""
     try:
-        return int(store.get_json(layout.ADAPTERS_LATEST)["version"])
+        return Version(store.get_json(layout.ADAPTERS_LATEST)["version"])
     except NotFound:
         return None
 
 
-def committed_versions(store: Store) -> list[int]:
-    out = []
-    for name in store.list(layout.ADAPTERS):
-        v = layout.parse_version_dir(name)
-        if v is not None and store.exists(f"{layout.ADAPTERS}/{name}/{layout.COMMIT_MARKER}"):
-            out.append(v)
-    return sorted(out)
+def committed_versions(store: Store) -> list[Version]:
+    return [v for v in Version.among(store.list(layout.ADAPTERS)) if store.exists(f"{v.key}/{layout.COMMIT_MARKER}")]
 
 
-def read_verified(store: Store, version: int) -> dict[str, bytes]:
+def read_verified(store: Store, version: Version) -> dict[str, bytes]:
     """The files of a committed version, checked against their checksums."""
+    version = Version(version)
     marker = commit_marker(store, version)
     if marker is None:
-        raise NotFound(f"adapter {layout.adapter_key(version)} is not committed")
+        raise NotFound(f"adapter {version.key} is not committed")
     files = {}
     for name, info in marker["files"].items():
-        data = store.get_bytes(f"{layout.adapter_key(version)}/{name}")
+        data = store.get_bytes(f"{version.key}/{name}")
         if len(data) != info["size"] or sha256(data) != info["sha256"]:
             raise AdapterCorrupt(
-                f"{store.url}/{layout.adapter_key(version)}/{name} does not match its commit marker "
+                f"{store.url}/{version.key}/{name} does not match its commit marker "
                 f"(size {len(data)} vs {info['size']}): the bucket was modified after commit"
             )
         files[name] = data

@@ -28,8 +28,13 @@ def check_writer_id(writer: str) -> str:
     return writer
 
 
+def _partition_folder(part: int) -> str:
+    """Zero-padded so a listing sorts by number (not an adapter version: those are bucket/version.py's)."""
+    return str(part).zfill(6)
+
+
 def record_key(prefix: str, writer: str, seq: int) -> str:
-    return f"{prefix}/{writer}/{seq // PARTITION:06d}/{seq:012d}.json"
+    return f"{prefix}/{writer}/{_partition_folder(seq // PARTITION)}/{str(seq).zfill(12)}.json"
 
 
 def parse_record_key(prefix: str, key: str) -> tuple[str, int]:
@@ -42,7 +47,7 @@ def parse_record_key(prefix: str, key: str) -> tuple[str, int]:
 
 
 def _seqs_in_partition(store: Store, prefix: str, writer: str, part: int) -> list[int]:
-    names = store.list(f"{prefix}/{writer}/{part:06d}")
+    names = store.list(f"{prefix}/{writer}/{_partition_folder(part)}")
     return [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
 
 

@@ -27,12 +27,13 @@ from pydantic import BaseModel, Field, field_validator
 from bucket import layout
 from bucket.rollouts import GroupId
 from bucket.store import NotFound, Store
+from bucket.version import Version
 
 STATE = "state.json"
 
 
 class TrainerState(BaseModel):
-    version: int
+    version: Version
     step: int
     cursors: dict[str, int] = Field(default_factory=dict)
     trained: list[str] = Field(default_factory=list, description="groups ('<shard key>#<i>') trained since `parent`")
@@ -46,7 +47,7 @@ class TrainerState(BaseModel):
     groups_trained: int = 0
     groups_dropped_stale: int = 0
     groups_skipped_zero_variance: int = 0
-    parent: int | None = None
+    parent: Version | None = None
     created_at: float = Field(default_factory=time.time)
 
     @field_validator("trained", "dropped_stale", "skipped_zero_variance", "pending")
@@ -60,7 +61,7 @@ class TrainerState(BaseModel):
 def save(store: Store, state: TrainerState, files: dict[str, bytes], point: bool = True) -> None:
     """Write a checkpoint; `point=False` leaves trainer/LATEST.json alone (the trainer points it after the
     adapter of the same version is committed, see `point_latest`)."""
-    key = layout.checkpoint_key(state.version)
+    key = state.version.checkpoint_key
     for name, data in files.items():
         store.put_bytes(f"{key}/{name}", data)
     store.put_json(f"{key}/{STATE}", state.model_dump())  # last: a checkpoint without it does not exist
@@ -68,13 +69,13 @@ def save(store: Store, state: TrainerState, files: dict[str, bytes], point: bool
         point_latest(store, state.version)
 
 
-def point_latest(store: Store, version: int) -> None:
+def point_latest(store: Store, version: Version) -> None:
     store.put_json(layout.CHECKPOINT_LATEST, {"version": version})
 
 
-def _load(store: Store, version: int) -> TrainerState | None:
+def _load(store: Store, version: Version) -> TrainerState | None:
     try:
-        return TrainerState(**store.get_json(f"{layout.checkpoint_key(version)}/{STATE}"))
+        return TrainerState(**store.get_json(f"{version.checkpoint_key}/{STATE}"))
     except NotFound:
         return None
 
@@ -83,11 +84,11 @@ def load_latest(store: Store) -> TrainerState | None:
     """The newest checkpoint: the pointer's, or a newer one whose adapter was committed and announced in
     adapters/LATEST.json before the trainer died (its pointer not yet moved)."""
     try:
-        version: int | None = int(store.get_json(layout.CHECKPOINT_LATEST)["version"])
+        version: Version | None = Version(store.get_json(layout.CHECKPOINT_LATEST)["version"])
     except NotFound:
         version = None
     try:
-        announced = int(store.get_json(layout.ADAPTERS_LATEST)["version"])
+        announced = Version(store.get_json(layout.ADAPTERS_LATEST)["version"])
     except NotFound:
         announced = None
     if announced is not None and (version is None or announced > version):
@@ -96,11 +97,11 @@ def load_latest(store: Store) -> TrainerState | None:
             return state
     if version is None:
         return None
-    return TrainerState(**store.get_json(f"{layout.checkpoint_key(version)}/{STATE}"))
+    return TrainerState(**store.get_json(f"{version.checkpoint_key}/{STATE}"))
 
 
-def load_file(store: Store, version: int, name: str) -> bytes:
-    return store.get_bytes(f"{layout.checkpoint_key(version)}/{name}")
+def load_file(store: Store, version: Version, name: str) -> bytes:
+    return store.get_bytes(f"{Version(version).checkpoint_key}/{name}")
 
 
 def lineage(store: Store) -> list[TrainerState]:
@@ -109,7 +110,5 @@ def lineage(store: Store) -> list[TrainerState]:
     state = load_latest(store)
     while state is not None:
         chain.append(state)
-        state = (
-            TrainerState(**store.get_json(f"{layout.checkpoint_key(state.parent)}/{STATE}")) if state.parent else None
-        )
+        state = TrainerState(**store.get_json(f"{state.parent.checkpoint_key}/{STATE}")) if state.parent else None
     return chain[::-1]

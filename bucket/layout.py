@@ -15,6 +15,8 @@ trainer/progress.json                      trainer, every step: its cursors (rol
 trainer/DONE.json                          trainer, when it reached max_steps
 rollout_workers/<worker>/data_cursor.json  rollout worker, after every shard: where it is in its prompts
 proxy/live.json                            proxy, when its live adapters change; read by replica mirrors
+
+Version folders (v000001) and the keys, names and paths built from them: bucket/version.py.
 """
 
 from __future__ import annotations
@@ -32,25 +34,6 @@ TRAINER_PROGRESS = "trainer/progress.json"
 TRAINER_DONE = "trainer/DONE.json"
 ROLLOUT_WORKERS = "rollout_workers"
 PROXY_LIVE = "proxy/live.json"
-
-
-def version_dir(version: int) -> str:
-    """Bucket folder of an adapter version; zero-padded so names sort by version."""
-    return f"v{version:06d}"
-
-
-def parse_version_dir(name: str) -> int | None:
-    if len(name) == 7 and name[0] == "v" and name[1:].isdigit():
-        return int(name[1:])
-    return None
-
-
-def adapter_key(version: int) -> str:
-    return f"{ADAPTERS}/{version_dir(version)}"
-
-
-def checkpoint_key(version: int) -> str:
-    return f"{CHECKPOINTS}/{version_dir(version)}"
 
 
 def data_cursor_key(worker: str) -> str:

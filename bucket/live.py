@@ -18,18 +18,21 @@ from pydantic import BaseModel, Field, ValidationError
 
 from bucket import layout
 from bucket.store import BucketError, Store
+from bucket.version import Version
 
 
 class LiveVersions(BaseModel):
-    versions: list[int] = Field(default_factory=list, description="adapter versions loaded on every routable replica")
+    versions: list[Version] = Field(
+        default_factory=list, description="adapter versions loaded on every routable replica"
+    )
     at: float = Field(default_factory=time.time)
 
 
-def write_live(store: Store, versions: list[int]) -> None:
+def write_live(store: Store, versions: list[Version]) -> None:
     store.put_json(layout.PROXY_LIVE, LiveVersions(versions=sorted(set(versions))).model_dump())
 
 
-def read_live(store: Store) -> list[int]:
+def read_live(store: Store) -> list[Version]:
     """The live versions, [] when the proxy has written none (or the object cannot be read now)."""
     try:
         return LiveVersions(**store.get_json(layout.PROXY_LIVE)).versions

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from bucket import layout
 from bucket.store import BucketError, NotFound, Store
+from bucket.version import Version
 
 # The format of everything in the bucket (shards, progress, checkpoints, events). Raised whenever a
 # reader of an older brigade would misread what a newer one writes.
@@ -55,14 +56,14 @@ class RunManifest(RunSpec):
     # The creator's tokenizer files, hashed (bucket/tokenizer_id.py); {} when it was created without a model.
     tokenizer: dict[str, str] = Field(default_factory=dict)
 
-    def lora_name(self, version: int) -> str:
+    def lora_name(self, version: Version) -> str:
         """Name an adapter version is loaded under in vLLM.
 
         vLLM keys its prefix cache by this name, so it carries the run id: a
         replica shared by two runs (or reused after a bucket was wiped) never
         serves KV computed under other weights.
         """
-        return f"{self.run_id}-{layout.version_dir(version)}"
+        return Version(version).lora_name(self.run_id)
 
     def spec(self) -> RunSpec:
         return RunSpec(**self.model_dump(include=set(RunSpec.model_fields)))

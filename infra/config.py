@@ -1,27 +1,30 @@
 """The whole run config, every job's table at once: what `brigade local` and `brigade init` read.
 
 Each job reads only its own tables through its own entry point (see
-bucket/settings.py, where the file format and flag rules live); this module
-composes all of them for the commands that need every table.
+jobkit/settings.py, where the file format and flag rules live); this module
+composes all of them for the commands that are not jobs. Every such command
+validates the whole file, but offers flags only for the settings it reads.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from bucket.config import BucketConfig, ConfigError
 from bucket.manifest import RunSpec
-from bucket.settings import BucketConfig, ConfigError, config_model, to_toml
-from bucket.settings import add_flags as add_table_flags
-from bucket.settings import load as load_tables
+from jobkit.settings import add_flags as add_table_flags
+from jobkit.settings import load as load_tables
+from jobkit.settings import to_toml
 from proxy.config import ProxyConfig
 from replica.config import ReplicaConfig
 from rollout_worker.config import RolloutConfig
 from trainer.config import TrainerConfig
 
-__all__ = ["Config", "ConfigError", "LocalConfig", "add_flags", "load", "to_toml", "TABLES"]
+__all__ = ["Config", "ConfigError", "Flags", "LocalConfig", "add_flags", "load", "to_toml", "TABLES"]
 
 
 class LocalConfig(BaseModel):
@@ -78,13 +81,17 @@ class Config(BaseModel):
     local: LocalConfig = Field(default_factory=LocalConfig)
 
 
-def _model(sections: list[str] | None) -> type[BaseModel]:
-    return Config if sections is None else config_model("Config", {s: TABLES[s] for s in sections})
+# {table: the fields a command offers as flags, or None for all of them}; a --config file still sets any field.
+Flags = Mapping[str, Collection[str] | None]
 
 
-def add_flags(parser: argparse.ArgumentParser, sections: list[str]) -> None:
-    """One flag per field of the given tables."""
-    add_table_flags(parser, _model(sections))
+def add_flags(parser: argparse.ArgumentParser, sections: Sequence[str] | Flags) -> None:
+    """Flags for every field of the tables a list names, or for the fields a Flags mapping names.
+
+    A command that is not a job offers only what it reads, so its --help is not every job's settings.
+    """
+    only = sections if isinstance(sections, Mapping) else dict.fromkeys(sections)
+    add_table_flags(parser, Config, only)
 
 
 def load(

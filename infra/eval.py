@@ -21,26 +21,43 @@ from typing import Any
 
 import httpx
 
-from bucket import adapters, layout
+from bucket import adapters
+from bucket.config import ConfigError, open_bucket
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, read_manifest
 from bucket.rollouts import SamplingParams
-from bucket.settings import ConfigError, open_bucket, setup_logging
 from bucket.store import BucketError, Store
-from infra.config import Config, add_flags, load
+from bucket.version import Version
+from infra.config import Config, Flags, add_flags, load
+from jobkit.entry import setup_logging
 
 DESCRIPTION = (
     "Greedy held-out accuracy of the base model and adapter versions, through the proxy; results to the bucket."
 )
+# The settings an evaluation reads: the bucket, and the rollout worker's evaluation set, judge and proxy.
+FLAGS: Flags = {
+    "bucket": ["url"],
+    "rollout": [
+        "proxy_url",
+        "dataset",
+        "dataset_split",
+        "eval_dataset",
+        "eval_size",
+        "eval_max_tokens",
+        "eval_timeout_s",
+        "eval_judge",
+        "request_timeout_s",
+    ],
+}
 
 
-def parse_versions(text: str, store: Store) -> list[int]:
+def parse_versions(text: str, store: Store) -> list[Version]:
     """'0,3,latest' / 'all': 0 is the base model; every adapter version named must be committed."""
     committed = adapters.committed_versions(store)
-    out: list[int] = []
+    out: list[Version] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if part == "all":
-            out += [0, *committed]
+            out += [Version(0), *committed]
         elif part == "latest":
             if not committed:
                 raise ConfigError("--versions latest: the bucket holds no committed adapter version yet")
@@ -49,17 +66,17 @@ def parse_versions(text: str, store: Store) -> list[int]:
             v = int(part)
             if v and v not in committed:
                 raise ConfigError(f"--versions: adapter version {v} is not committed in the bucket ({committed})")
-            out.append(v)
+            out.append(Version(v))
         else:
             raise ConfigError(f"--versions: {part!r} is not a version number, 'latest' or 'all'")
     return list(dict.fromkeys(out))
 
 
-async def _load(client: httpx.AsyncClient, manifest: RunManifest, version: int) -> bool:
+async def _load(client: httpx.AsyncClient, manifest: RunManifest, version: Version) -> bool:
     """Have the proxy load a version on every replica; True when this call loaded it (so it unloads it after)."""
     resp = await client.post(
         "/v1/load_lora_adapter",
-        json={"lora_name": manifest.lora_name(version), "lora_path": layout.adapter_key(version)},
+        json={"lora_name": manifest.lora_name(version), "lora_path": version.key},
     )
     if resp.status_code == 200:
         return True
@@ -124,7 +141,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--versions", default="0,latest", help="Comma-separated: 0 = the base model, N, 'latest', or 'all'."
     )
-    add_flags(parser, ["run", "bucket", "rollout"])
+    add_flags(parser, FLAGS)
     return parser
 
 

@@ -17,15 +17,17 @@ import os
 import sys
 
 from bucket import adapters
-from bucket.settings import ConfigError, default_model_dir, open_bucket, setup_logging
+from bucket.config import ConfigError, open_bucket
 from bucket.store import BucketError
 from infra.config import add_flags, load
+from jobkit.entry import setup_logging
+from jobkit.settings import default_model_dir
 
 DESCRIPTION = "Write an adapter version as a PEFT folder (peft and vLLM load it as is), or merged into the base."
 
 
 def export(bucket_url: str, version: int | None, out: str, base_model: str, merge: bool) -> int:
-    from bucket.settings import BucketConfig
+    from bucket.config import BucketConfig
 
     store = open_bucket(BucketConfig(url=bucket_url))
     committed = adapters.committed_versions(store)
@@ -67,7 +69,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--version", type=int, default=None, help="Adapter version (default: the newest committed).")
     parser.add_argument("--to", required=True, metavar="DIR", help="Folder to write (must be new or empty).")
     parser.add_argument("--merge", action="store_true", help="Fold the adapter into the base model's weights.")
-    add_flags(parser, ["bucket", "trainer"])
+    add_flags(parser, {"bucket": ["url"], "trainer": ["model_path"]})  # what an export reads
     return parser
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from bucket import tokenizer_id
+from bucket.config import open_bucket
 from bucket.manifest import init_or_check
-from bucket.settings import open_bucket
 from infra.config import Config
 
 

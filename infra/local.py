@@ -39,7 +39,7 @@ from infra.local_progress import progress_display
 from infra.local_sizing import describe_sizing, size_for_cpu
 from infra.local_summary import Ending, write_summary
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
-from machine.cpu import describe
+from jobkit.cpu import describe
 
 log = logging.getLogger("brigade.local")
 
@@ -114,7 +114,7 @@ def _ensure_model(config: Config) -> None:
     paths = {config.trainer.model_path, config.replica.model_path}
     for path in paths:
         if not os.path.isfile(os.path.join(path, "config.json")):
-            from bucket.settings import default_model_dir
+            from jobkit.settings import default_model_dir
 
             if os.path.abspath(path) != os.path.abspath(default_model_dir()):
                 raise ConfigError(

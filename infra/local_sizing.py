@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from infra.config import Config
-from machine.cpu import cpu_class
+from jobkit.cpu import cpu_class
 
 # The [rollout] defaults on an AVX2-only CPU, and why each is safe:
 AVX2_ROLLOUT: dict[str, int] = {
@@ -27,7 +27,7 @@ AVX2_ROLLOUT: dict[str, int] = {
 def size_for_cpu(config: Config, cpu: str | None = None) -> tuple[Config, dict[str, Any]]:
     """(the config with the CPU's defaults applied, what was changed: {} when nothing).
 
-    `cpu` is machine.cpu.cpu_class()'s answer (asked when None), so a capped fast CPU
+    `cpu` is jobkit.cpu.cpu_class()'s answer (asked when None), so a capped fast CPU
     (ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2) is sized as the AVX2 host it imitates.
     """
     cpu = cpu or cpu_class()

@@ -17,7 +17,7 @@ from typing import Any
 from bucket.store import Store
 from infra.accuracy_plot import plot_accuracy
 from infra.summary import render, summarize
-from machine.cpu import cpu_info
+from jobkit.cpu import cpu_info
 
 # Why a run ended before its trainer and final evaluation did (summary.json's `cut`; None for a finished run).
 CUTS = ("wall_limit", "interrupted", "job_failed", "timeout")

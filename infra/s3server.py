@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 from bucket.store import Store
 
 # moto accepts any credentials; the jobs need some, or botocore's chain stops at "no credentials".

@@ -11,9 +11,9 @@ import statistics
 from typing import Any
 
 from bucket import checkpoints, events
+from bucket.config import open_bucket
 from bucket.progress import read_done
 from bucket.rollouts import read_shards
-from bucket.settings import open_bucket
 from bucket.store import Store
 from infra.config import Config
 

@@ -9,7 +9,7 @@ then only the backend asked for). Logged at each trainer step:
 * `eval/accuracy` (greedy held-out accuracy, `eval` events) at the step its version was published at
   (the base model: step 0); complete evaluations only: a cut one (`partial: true`, past eval_timeout_s or
   stopped with its worker) judged a subset of the prompts, so its accuracy is not the version's;
-* `sync/commit_to_loaded_s` (committed -> loaded on every replica, bucket/timeline.py) at the step of
+* `sync/commit_to_loaded_s` (committed -> loaded on every replica, infra/timeline.py) at the step of
   the version.
 
     brigade track --bucket URL --to wandb [--project brigade] [--follow]
@@ -27,12 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 from bucket import appendlog, events, layout
+from bucket.config import ConfigError, open_bucket
 from bucket.manifest import read_manifest
 from bucket.progress import read_done
-from bucket.settings import ConfigError, open_bucket, setup_logging
 from bucket.store import BucketError, Store
-from bucket.timeline import Timeline
 from infra.config import add_flags, load
+from infra.timeline import Timeline
+from jobkit.entry import setup_logging
 
 DESCRIPTION = "Send a run's metrics from its bucket to Weights & Biases or trackio, under TRL's metric names."
 BACKENDS = ("wandb", "trackio")
@@ -127,7 +128,7 @@ def track(store: Store, sink: Sink, follow: bool, poll_s: float) -> int:
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    add_flags(p, ["bucket"])
+    add_flags(p, {"bucket": ["url"]})
     p.add_argument("--to", required=True, choices=BACKENDS, help="the tracking backend")
     p.add_argument("--project", default="brigade", help="the backend's project")
     p.add_argument("--follow", action="store_true", help="keep reading until the trainer wrote trainer/DONE.json")

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from bucket import adapters, layout
 from bucket.store import NotFound, Store
+from bucket.version import Version
 
+# The client's names (TRL's `trl-policy-v{N}`, unpadded), not brigade's versions (bucket/version.py).
 FIRST_OF_A_RUN = re.compile(r"^(?P<prefix>.+)-v0*1$")
 MARKER_FIELD = "imported"  # in the commit marker: where the files came from and under which name
 
@@ -36,7 +38,7 @@ class ImportRefused(ValueError):
 @dataclass(frozen=True)
 class Imported:
     lora_name: str
-    version: int
+    version: Version
     digest: str  # sha256 over the adapter files, in ADAPTER_FILES order
 
 
@@ -63,13 +65,14 @@ def new_run_prefix(lora_name: str) -> str | None:
     return m.group("prefix") if m else None
 
 
+def of_run(lora_name: str, prefix: str) -> bool:
+    """Whether a client's name is one of the run whose names start `<prefix>-v` (a new run unloads those)."""
+    return re.fullmatch(rf"{re.escape(prefix)}-v\d+", lora_name) is not None
+
+
 def publish_import(store: Store, folder: str, lora_name: str, files: dict[str, bytes], digest: str) -> Imported:
     """Commit the folder's files as the next version, recording their origin in the marker."""
     version = adapters.claim_version(store, owner=f"proxy import of {lora_name}")
     meta = {MARKER_FIELD: {"from": folder, "lora_name": lora_name, "sha256": digest}}
     adapters.publish(store, version, files, meta=meta)
     return Imported(lora_name, version, digest)
-
-
-def version_dir(imported: Imported) -> str:
-    return layout.version_dir(imported.version)

@@ -196,7 +196,7 @@ class Proxy:
             ],
             "joining": sorted(self.membership.joining),
             "ejected": dict(self.membership.ejected),
-            "loaded_adapters": {n: a.version_dir for n, a in self.loaded.items()},
+            "loaded_adapters": {n: a.version.folder for n, a in self.loaded.items()},
             "paused": self.paused_query is not None,
             "routing": {
                 **self.routing_status(),

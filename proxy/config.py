@@ -56,6 +56,27 @@ class ProxyConfig(BaseModel):
         15.0, gt=0, description="A registered replica whose heartbeat has not changed for this long is dropped."
     )
     refresh_s: float = Field(1.0, gt=0, description="How often to re-read the replica registry.")
+    watch_adapters: bool = Field(
+        True,
+        description="Load each version the trainer commits on every replica, keep the newest max_staleness + 1 "
+        "loaded and unload older ones once unused (rollout workers only read GET /live_adapters). Off: clients "
+        "load and unload through /v1/load_lora_adapter themselves (TRL's trainer always may).",
+    )
+    watch_s: float = Field(
+        0.05, gt=0, description="How often adapters/LATEST.json is read (one small GET): how soon a commit is seen."
+    )
+    unload_idle_s: float = Field(
+        5.0,
+        ge=0,
+        description="A version outside the live window is unloaded once no request has named it for this long "
+        "(a group or an evaluation between two requests still holds it).",
+    )
+    mirror_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a load waits for a replica's mirror to list the version as on its disk (the "
+        "replica's registry entry) before that replica fails the load.",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="A forwarded request whose replica sends nothing for this long is given up."
     )

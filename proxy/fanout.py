@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ from bucket.replicas import ReplicaInfo
 from proxy import adapter_import
 from proxy.errors import error_response
 from proxy.event_writer import EventWriter
-from proxy.lora_paths import AdapterRef, BadAdapterPath, NotAVersionFolder, version_dir_of
+from proxy.lora_paths import AdapterRef, BadAdapterPath, NotAVersionFolder, version_of
 from proxy.probe import CanaryProbe
 from proxy.state import ProxyState
 from proxy.upstream import ReplicaResult, Upstream
@@ -99,22 +98,20 @@ class AdapterFanout:
                 "version under a new name.",
             )
         try:
-            vdir = version_dir_of(self.state.store, path)
+            version = version_of(self.state.store, path)
         except NotAVersionFolder as exc:
             return await self._import(name, exc.folder)
         except BadAdapterPath as exc:
             return error_response(400, str(exc))
-        version = layout.parse_version_dir(vdir)
-        assert version is not None
         marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
         if marker is None:
             return error_response(
                 409,
-                f"adapter {layout.ADAPTERS}/{vdir} is not committed (no "
+                f"adapter {version.key} is not committed (no "
                 f"{layout.COMMIT_MARKER}): it is still being written, or its "
                 "writer died; load a committed version",
             )
-        return AdapterRef(name, version, vdir, read_canary(marker))
+        return AdapterRef(name, version, read_canary(marker))
 
     async def _import(self, name: str, folder: str) -> AdapterRef | Response:
         """A client's adapter folder inside the bucket as a committed version (adapter_import.py says when)."""
@@ -125,7 +122,7 @@ class AdapterFanout:
             return error_response(exc.status, str(exc))
         known = self.imported.get(name)
         if known is not None and known.digest == digest:  # the same request again: the same version
-            return AdapterRef(name, known.version, adapter_import.version_dir(known))
+            return AdapterRef(name, known.version)
         prefix = adapter_import.new_run_prefix(name)
         if (known is not None or name in self.state.loaded) and prefix is None:
             return error_response(
@@ -135,16 +132,15 @@ class AdapterFanout:
                 "name (a new run may reuse the names from its first version, ...-v1, on)",
             )
         if prefix is not None:  # a new run: the old run's versions of these names go first
-            pattern = re.compile(rf"^{re.escape(prefix)}-v\d+$")
-            for old in [n for n in list(self.state.loaded) if pattern.match(n)]:
+            for old in [n for n in list(self.state.loaded) if adapter_import.of_run(n, prefix)]:
                 resp = await self.unload_adapter({"lora_name": old})
                 if resp.status_code != 200:
                     return resp
-            self.imported = {n: i for n, i in self.imported.items() if not pattern.match(n)}
+            self.imported = {n: i for n, i in self.imported.items() if not adapter_import.of_run(n, prefix)}
         imported = await asyncio.to_thread(adapter_import.publish_import, store, folder, name, files, digest)
         self.imported[name] = imported
-        log.info("imported %s from %s as %s", name, folder, adapter_import.version_dir(imported))
-        return AdapterRef(name, imported.version, adapter_import.version_dir(imported))
+        log.info("imported %s from %s as %s", name, folder, imported.version.folder)
+        return AdapterRef(name, imported.version)
 
     async def load_adapter(self, body: Any) -> Response:
         resp = await self._load_adapter(body)
@@ -161,10 +157,10 @@ class AdapterFanout:
         state = self.state
         async with state.adapter_lock:
             known = state.loaded.get(ad.lora_name)
-            if known is not None and known.version_dir != ad.version_dir:
+            if known is not None and known.version != ad.version:
                 return error_response(
                     409,
-                    f"lora_name {ad.lora_name!r} is already loaded from {known.version_dir}; "
+                    f"lora_name {ad.lora_name!r} is already loaded from {known.version.folder}; "
                     "each version needs its own name",
                 )
             targets = list(state.routable.values())
@@ -254,7 +250,7 @@ class AdapterFanout:
         log.info(
             "loaded %s (%s) on %d replicas in %.2fs: %s",
             ad.lora_name,
-            ad.version_dir,
+            ad.version.folder,
             len(results),
             seconds,
             ", ".join(
@@ -301,7 +297,7 @@ class AdapterFanout:
         log.warning(
             "loading %s (%s) failed on %s after %.2fs; rolled back on %d replicas%s",
             ad.lora_name,
-            ad.version_dir,
+            ad.version.folder,
             ", ".join(f"{r.replica} ({r.status}: {r.reason})" for r in failed),
             seconds,
             len(rolled_back) - len(stuck),
@@ -312,7 +308,7 @@ class AdapterFanout:
         status = first.status if first.status is not None and first.status >= 400 else 502
         undone = len(rolled_back) - len(stuck)
         message = (
-            f"loading {ad.lora_name} from {layout.ADAPTERS}/{ad.version_dir} failed on "
+            f"loading {ad.lora_name} from {ad.version.key} failed on "
             f"{len(failed)} of {len(results)} replicas"
             + (f" (unloaded again from {undone} that had loaded it)" if undone else "")
             + (f" (unloading it again FAILED on {stuck})" if stuck else "")

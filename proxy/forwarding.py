@@ -132,14 +132,22 @@ class Forwarder:
             sink.error(503, error_body(503, "no replica is available"))
             return
         slots = self._slots
-        if slots.locked():
-            self.waiting += 1
-            try:
+        # Counted from here to the end of its answer, waiting included: the lifecycle never unloads an adapter a
+        # request in the proxy still names.
+        model = payload["model"] if isinstance(payload.get("model"), str) else ""
+        state.hold(model)
+        try:
+            if slots.locked():
+                self.waiting += 1
+                try:
+                    await slots.acquire()
+                finally:
+                    self.waiting -= 1
+            else:
                 await slots.acquire()
-            finally:
-                self.waiting -= 1
-        else:
-            await slots.acquire()
+        except BaseException:
+            state.drop(model)
+            raise
         released = False
 
         def release_global() -> None:
@@ -147,6 +155,7 @@ class Forwarder:
             if not released:
                 released = True
                 slots.release()
+                state.drop(model)
 
         try:
             await self._generate(path, body, payload, tokens, text, sink, release_global)

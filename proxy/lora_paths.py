@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from bucket import layout
 from bucket.canary import Canary
 from bucket.store import Store
+from bucket.version import BadVersion, Version
 
 # vLLM's answers (see vllm/entrypoints/openai/models/serving.py and vllm/exceptions.py).
 ALREADY_LOADED = "has already been loaded"
@@ -37,8 +38,7 @@ class NotAVersionFolder(BadAdapterPath):
 @dataclass(frozen=True)
 class AdapterRef:
     lora_name: str
-    version: int
-    version_dir: str  # e.g. v000003: the same folder name in the bucket and under every replica's adapter root
+    version: Version  # its folder has the same name in the bucket and under every replica's adapter root
     canary: Canary | None = field(default=None, compare=False, repr=False)  # from the commit marker, if any
 
 
@@ -66,32 +66,28 @@ def _bucket_relative(store: Store, lora_path: str) -> str:
     return path
 
 
-def version_dir_of(store: Store, lora_path: object) -> str:
-    """The version folder (vNNNNNN) that `lora_path` names inside the bucket's adapters/, or BadAdapterPath.
+def version_of(store: Store, lora_path: object) -> Version:
+    """The version whose folder `lora_path` names inside the bucket's adapters/, or BadAdapterPath.
 
     Accepted: a bucket key `adapters/v000003`, the same under the bucket URL
     (`s3://b/run/adapters/v000003`), or under the bucket's local folder. Another folder inside the bucket
     (outside adapters/) raises NotAVersionFolder, which the proxy may import (adapter_import.py).
     """
     if not isinstance(lora_path, str) or not lora_path.strip():
-        raise BadAdapterPath("lora_path must be a non-empty string naming an adapter version, e.g. adapters/v000003")
+        raise BadAdapterPath(f"lora_path must be a non-empty string naming an adapter version, e.g. {Version(3).key}")
     if ".." in lora_path.replace("\\", "/").split("/") or "\0" in lora_path:
         raise BadAdapterPath(f"lora_path {lora_path!r} contains '..': adapters are loaded only from inside the bucket")
-    parts = [p for p in _bucket_relative(store, lora_path).split("/") if p not in ("", ".")]
-    if len(parts) != 2 or parts[0] != layout.ADAPTERS or layout.parse_version_dir(parts[1]) is None:
+    key = "/".join(p for p in _bucket_relative(store, lora_path).split("/") if p not in ("", "."))
+    try:
+        return Version.parse(key, only="key")
+    except BadVersion:
         message = (
             f"lora_path {lora_path!r} does not name an adapter version folder: use "
             f"{layout.ADAPTERS}/vNNNNNN (a folder the trainer published in the bucket)"
         )
-        if parts and parts[0] != layout.ADAPTERS:
-            raise NotAVersionFolder(message, "/".join(parts))
-        raise BadAdapterPath(message)
-    return parts[1]
-
-
-def replica_path(adapter_root: str, version_dir: str) -> str:
-    """Where a replica finds a version folder on its own disk."""
-    return os.path.join(adapter_root, version_dir)
+        if key and key.split("/")[0] != layout.ADAPTERS:
+            raise NotAVersionFolder(message, key) from None
+        raise BadAdapterPath(message) from None
 
 
 def error_message(body: str) -> str:

@@ -9,8 +9,8 @@ import os
 from fastapi import FastAPI
 
 from bucket import layout
+from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.manifest import RunSpec, wait_and_check
-from bucket.settings import BucketConfig, ConfigError, open_bucket
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 from proxy.httpserver import serve

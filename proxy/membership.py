@@ -23,15 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 
-from bucket import adapters, events, layout
+from bucket import adapters, events
 from bucket.canary import read_canary
 from bucket.replicas import LivenessTracker, ReplicaInfo, list_replicas
+from bucket.version import BadVersion, Version
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.state import ProxyState
@@ -354,13 +354,13 @@ class Membership:
             name, root = card.get("id"), card.get("root")
             if not card.get("parent") or not isinstance(root, str) or name in loaded:
                 continue
-            vdir = os.path.basename(root.rstrip("/"))
-            version = layout.parse_version_dir(vdir)
-            if version is None:
-                continue
+            try:
+                version = Version.parse(root, only="path")
+            except BadVersion:
+                continue  # not one of the bucket's versions (a client's own adapter folder)
             marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
             if marker is None:
                 continue
-            loaded[name] = AdapterRef(name, version, vdir, read_canary(marker))
-            log.info("adopted adapter %s (%s) already served by %s", name, vdir, info.replica_id)
+            loaded[name] = AdapterRef(name, version, read_canary(marker))
+            log.info("adopted adapter %s (%s) already served by %s", name, version.folder, info.replica_id)
             self.state.loaded_changed()

@@ -12,22 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jobkit.metrics import JobMetrics, ScrapeCollector
 from proxy.routing import DECISION_KINDS
 
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 
-class _Live:
+class _Live(ScrapeCollector):
     """Reads the hot path's plain counters at scrape time."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.metrics = metrics
-
-    def describe(self) -> list:
-        return []
 
     def collect(self) -> Any:
         source = self.metrics.live
@@ -82,11 +80,14 @@ class _Live:
             yield family(f"brigade_proxy_{name}", doc, value=value)
 
 
-class ProxyMetrics:
-    """Prometheus metrics in a registry of their own (several proxies can live in one test process)."""
+class ProxyMetrics(JobMetrics):
+    """Prometheus metrics in a registry of their own (several proxies can live in one test process).
+
+    The proxy's own HTTP server answers /metrics with `render()`.
+    """
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
         self.live: Callable[[], dict[str, Any]] | None = None
         self.registry.register(_Live(self))
@@ -113,6 +114,3 @@ class ProxyMetrics:
             ["replica", "result"],
             registry=r,
         )
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -89,7 +89,7 @@ def judge(got: list[float], adapter: list[float], base: list[float], cfg: ProxyC
             False,
             "base_weights",
             reason=f"serves the BASE model under {ad.lora_name}: it shows {v['shift']:.2f} of the shift from the "
-            f"base to {ad.version_dir} (at most {upper:.2f} within {z} standard errors, at least {least} "
+            f"base to {ad.version.folder} (at most {upper:.2f} within {z} standard errors, at least {least} "
             f"expected; the version is {v['gap']:.3f} per token from the base at {int(v['positions'])} positions)",
             numbers=numbers,
         )
@@ -98,7 +98,7 @@ def judge(got: list[float], adapter: list[float], base: list[float], cfg: ProxyC
             False,
             "off",
             reason=f"serves other weights under {ad.lora_name}: its canary logprobs are {v['d_adapter']:.3f} "
-            f"per token from {ad.version_dir}'s (tolerance {cfg.canary_tolerance})",
+            f"per token from {ad.version.folder}'s (tolerance {cfg.canary_tolerance})",
             numbers=numbers,
         )
     if v["gap"] < cfg.canary_min_gap:
@@ -109,7 +109,7 @@ def judge(got: list[float], adapter: list[float], base: list[float], cfg: ProxyC
         False,
         "inconclusive",
         reason=f"inconclusive for {ad.lora_name}: its shift from the base, {v['shift']:.2f} ± {v['shift_se']:.2f}, "
-        f"could be above or below {least} at {int(v['positions'])} canary positions ({ad.version_dir} is "
+        f"could be above or below {least} at {int(v['positions'])} canary positions ({ad.version.folder} is "
         f"{v['gap']:.3f} per token from the base, the replica's noise {v['noise']:.3f}); the version is not "
         "admitted there",
         numbers=numbers,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +36,10 @@ class ProxyState:
     # replica -> when it last answered a generation (the passive health signal: a replica that answers is alive,
     # however slow its /health is while it is busy)
     answered_at: dict[str, float] = field(default_factory=dict)
+    # model name -> requests through the proxy naming it, queued or running; and when the last one ended. The
+    # lifecycle unloads a version only once nothing has used it for a while (lifecycle.py).
+    using: dict[str, int] = field(default_factory=dict)
+    used_at: dict[str, float] = field(default_factory=dict)
     paused_query: str | None = None  # set while paused, so joiners are paused too
     adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the
@@ -44,3 +50,21 @@ class ProxyState:
 
     def __post_init__(self) -> None:
         self.dispatching.set()
+
+    def hold(self, model: str) -> None:
+        """A request naming `model` entered the proxy (it counts until `drop`, waiting included)."""
+        self.using[model] = self.using.get(model, 0) + 1
+
+    def drop(self, model: str) -> None:
+        left = self.using.get(model, 0) - 1
+        if left > 0:
+            self.using[model] = left
+        else:
+            self.using.pop(model, None)
+        self.used_at[model] = time.monotonic()
+
+    def idle_for(self, model: str) -> float:
+        """Seconds since a request last named `model` (0 while one does; infinite if none ever did)."""
+        if self.using.get(model):
+            return 0.0
+        return time.monotonic() - self.used_at.get(model, -math.inf)

@@ -12,7 +12,7 @@ import httpx
 
 from bucket.replicas import ReplicaInfo
 from proxy.config import ProxyConfig
-from proxy.lora_paths import ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, error_message, replica_path
+from proxy.lora_paths import ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, error_message
 
 # Retry of "No adapter found": every 50 ms for the first second (a replica's
 # mirror copies a version 0.1-0.4 s after its commit, and vLLM answers a
@@ -130,7 +130,7 @@ class Upstream:
         """Load on one replica; retry "No adapter found" (its mount or mirror lagging) until `deadline`."""
         body = {
             "lora_name": ad.lora_name,
-            "lora_path": replica_path(info.adapter_root, ad.version_dir),
+            "lora_path": ad.version.path_under(info.adapter_root),
             "load_inplace": False,
         }
         delay, attempts, started = RETRY_FIRST_S, 0, time.monotonic()

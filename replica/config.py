@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from bucket.settings import default_model_dir
+from jobkit.settings import default_model_dir
 
 
 class ReplicaConfig(BaseModel):

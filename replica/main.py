@@ -29,11 +29,12 @@ import time
 import httpx
 
 from bucket import events, layout, replicas, tokenizer_id
+from bucket.config import BucketConfig, open_bucket
 from bucket.events import EventLog
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.replicas import ReplicaInfo
-from bucket.settings import BucketConfig, open_bucket
 from bucket.store import Store
+from bucket.version import Version
 from replica import warmup
 from replica.config import ReplicaConfig
 from replica.metrics import ReplicaMetrics
@@ -125,7 +126,7 @@ class Replica:
         key = os.environ.get(self.rc.api_key_env, "") if self.rc.api_key_env else ""
         return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def _registered_versions(self) -> set[int] | None:
+    def _registered_versions(self) -> set[Version] | None:
         """Versions vLLM has registered (it reloads an evicted one from its folder on use, and a missing folder
         kills its engine), None while that cannot be known."""
         if self.server is None or not self.server.alive():
@@ -133,9 +134,9 @@ class Replica:
         roots = lora_roots(self.server.plan.base_url, self._vllm_headers())
         if roots is None:
             return None
-        return {v for v in (layout.parse_version_dir(os.path.basename(r.rstrip("/"))) for r in roots) if v is not None}
+        return set(Version.among(roots, only="path"))
 
-    def _mirrored(self, event_log: EventLog, version: int, committed_at: float) -> None:
+    def _mirrored(self, event_log: EventLog, version: Version, committed_at: float) -> None:
         self.metrics.adapter_mirrored(version)
         event_log.emit(
             events.ADAPTER_MIRRORED, version=version, committed_at=committed_at, path=self.mirror.path(version)
@@ -177,7 +178,7 @@ class Replica:
         while not self.stop.wait(MIRROR_POLL_S):
             try:
                 for v in self.mirror.sync_once():
-                    log.info("mirrored adapter v%d into %s", v, self.mirror.path(v))
+                    log.info("mirrored adapter %s into %s", v.folder, self.mirror.path(v))
             except Exception as exc:
                 log.warning("adapter mirror: %s", exc)
                 self.metrics.mirror_failures.inc()

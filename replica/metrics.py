@@ -7,20 +7,19 @@ the replica registered, is its heartbeat moving, which adapters were mirrored.
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, generate_latest, start_http_server
+from prometheus_client import Counter, Gauge, Info
 
-log = logging.getLogger("brigade.replica")
+from jobkit.metrics import ServedMetrics
 
 
-class ReplicaMetrics:
+class ReplicaMetrics(ServedMetrics):
     """What the sidecar exports; a registry of its own (tests run several sidecars' code in one process)."""
 
     def __init__(self, replica_id: str) -> None:
-        self.registry = r = CollectorRegistry()
+        super().__init__("replica")
+        r = self.registry
         # The replica's name as a label: several replicas of one host differ only in their target's port.
         self.info = Info("brigade_replica", "This replica: its registry name and URL.", registry=r)
         self.info.info({"replica": replica_id, "url": ""})
@@ -56,8 +55,6 @@ class ReplicaMetrics:
         for reason in ("vllm_unhealthy", "bucket"):  # exported at 0 before the first failure
             self.heartbeat_failures.labels(reason)
         self.newest_mirrored = 0
-        self._server: Any = None
-        self.url = ""
 
     def started(self, url: str, startup_s: float) -> None:
         self.info.info({"replica": self.replica_id, "url": url})
@@ -73,22 +70,3 @@ class ReplicaMetrics:
         self.mirrored.inc()
         self.newest_mirrored = max(version, self.newest_mirrored)
         self.mirrored_version.set(self.newest_mirrored)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def serve(self, host: str, port: int, advertise_host: str) -> None:
-        """Serve /metrics from a thread; a port in use costs the metrics, never the replica."""
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except (OSError, OverflowError) as exc:  # in use, or vLLM's port + 1000 is past 65535
-            log.warning("metrics not served: cannot listen on %s:%d (%s); set --replica.metrics-port", host, port, exc)
-            return
-        self.url = f"http://{advertise_host}:{port}/metrics"
-        log.info("metrics on %s", self.url)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None

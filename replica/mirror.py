@@ -23,8 +23,9 @@ import time
 import uuid
 from collections.abc import Callable
 
-from bucket import adapters, layout, live
+from bucket import adapters, live
 from bucket.store import TEMP_PREFIX, BucketError, Store
+from bucket.version import Version
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ class AdapterMirror:
         cache_dir: str,
         window: int,
         keep: int | None = None,
-        on_mirrored: Callable[[int, float], None] | None = None,
+        on_mirrored: Callable[[Version, float], None] | None = None,
         live_every_s: float = 1.0,
-        in_use: Callable[[], set[int] | None] | None = None,
+        in_use: Callable[[], set[Version] | None] | None = None,
     ):
         self.store = store
         self.cache_dir = os.path.abspath(cache_dir)
@@ -66,24 +67,24 @@ class AdapterMirror:
         self.on_mirrored = on_mirrored
         self.live_every_s = live_every_s
         self.in_use = in_use
-        self._live: set[int] = set()
+        self._live: set[Version] = set()
         self._live_read_at = -float("inf")
-        self._seen_latest: int | None = None
-        self._retry: set[int] = set()
-        self._bad: set[int] = set()
+        self._seen_latest: Version | None = None
+        self._retry: set[Version] = set()
+        self._bad: set[Version] = set()
         os.makedirs(self.cache_dir, exist_ok=True)
         self._remove_temporaries()
 
-    def path(self, version: int) -> str:
-        return os.path.join(self.cache_dir, layout.version_dir(version))
+    def path(self, version: Version) -> str:
+        return Version(version).path_under(self.cache_dir)
 
-    def has(self, version: int) -> bool:
+    def has(self, version: Version) -> bool:
         return os.path.isdir(self.path(version))
 
-    def mirrored(self) -> list[int]:
-        return sorted(v for v in (layout.parse_version_dir(n) for n in os.listdir(self.cache_dir)) if v is not None)
+    def mirrored(self) -> list[Version]:
+        return Version.among(os.listdir(self.cache_dir))
 
-    def sync_once(self) -> list[int]:
+    def sync_once(self) -> list[Version]:
         """Copy what is new since the last call; returns the versions mirrored now."""
         latest = adapters.latest_version(self.store)
         if latest is None:
@@ -96,7 +97,7 @@ class AdapterMirror:
         low = latest - self.keep if self._seen_latest is None else self._seen_latest + 1
         live_now = self._live_versions()
         # Newest first: the version about to be loaded everywhere is the one that must not wait.
-        todo = sorted(set(range(max(1, low), latest + 1)) | self._retry | live_now, reverse=True)
+        todo = sorted({Version(v) for v in range(max(1, low), latest + 1)} | self._retry | live_now, reverse=True)
         self._retry = set()
         done = []
         for version in todo:
@@ -107,16 +108,16 @@ class AdapterMirror:
                     done.append(version)
             except adapters.AdapterCorrupt as exc:
                 # Rereading will not fix a checksum mismatch: report once, skip it.
-                log.error("not mirroring adapter v%d: %s", version, exc)
+                log.error("not mirroring adapter %s: %s", version.folder, exc)
                 self._bad.add(version)
             except (BucketError, OSError) as exc:
-                log.warning("mirroring adapter v%d failed (will retry): %s", version, exc)
+                log.warning("mirroring adapter %s failed (will retry): %s", version.folder, exc)
                 self._retry.add(version)
         self._seen_latest = latest if self._seen_latest is None else max(self._seen_latest, latest)
         self._prune(latest, live_now)
         return sorted(done)
 
-    def _live_versions(self) -> set[int]:
+    def _live_versions(self) -> set[Version]:
         """The proxy's live versions, read at most every `live_every_s` (one small object; on S3 a GET)."""
         now = time.monotonic()
         if now - self._live_read_at >= self.live_every_s:
@@ -124,13 +125,14 @@ class AdapterMirror:
             self._live = set(live.read_live(self.store))
         return self._live
 
-    def mirror_version(self, version: int) -> bool:
+    def mirror_version(self, version: Version) -> bool:
         """Copy one version if it is committed; False for a number the trainer abandoned."""
+        version = Version(version)
         marker = adapters.commit_marker(self.store, version)
         if marker is None:
             return False  # LATEST only moves after a commit, so an uncommitted lower number is abandoned
         files = adapters.read_verified(self.store, version)
-        tmp = os.path.join(self.cache_dir, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{layout.version_dir(version)}")
+        tmp = os.path.join(self.cache_dir, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{version.folder}")
         os.makedirs(tmp)
         try:
             for name, data in files.items():
@@ -145,7 +147,7 @@ class AdapterMirror:
             self.on_mirrored(version, float(marker.get("committed_at", 0.0)))
         return True
 
-    def _prune(self, latest: int, keep_too: set[int]) -> None:
+    def _prune(self, latest: Version, keep_too: set[Version]) -> None:
         old = [v for v in self.mirrored() if v < latest - self.keep and v not in keep_too]
         if old and self.in_use is not None:
             # vLLM reloads an adapter it evicted from its LoRA cache from the folder it was registered with, and a

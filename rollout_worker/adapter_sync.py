@@ -21,10 +21,11 @@ from contextlib import contextmanager
 
 import httpx
 
-from bucket import adapters, events, layout
+from bucket import adapters, events
 from bucket.events import EventLog
 from bucket.manifest import RunManifest
 from bucket.store import Store
+from bucket.version import Version
 
 log = logging.getLogger("brigade.rollout")
 
@@ -35,25 +36,25 @@ RETRY_FAILED_S = 1.0  # a version the proxy could not load is asked for again af
 class AdapterSync:
     def __init__(self, store: Store, manifest: RunManifest, client: httpx.AsyncClient, event_log: EventLog):
         self.store, self.manifest, self.client, self.ev = store, manifest, client, event_log
-        self.version = 0  # 0 = the base model, until the first adapter is loaded
-        self.loaded: set[int] = set()
-        self.inflight: dict[int, int] = {}  # version -> groups generating with it
+        self.version = Version(0)  # the base model, until the first adapter is loaded
+        self.loaded: set[Version] = set()
+        self.inflight: dict[Version, int] = {}  # version -> groups generating with it
         self._lock = asyncio.Lock()  # one load/unload exchange with the proxy at a time
         self._watcher: asyncio.Task[None] | None = None
         self._retry_at = 0.0  # after a failed load: when to ask again
 
-    def model_name(self, version: int) -> str:
+    def model_name(self, version: Version) -> str:
         """The model name the proxy routes to: the base model, or the version's run-scoped LoRA name."""
         return self.manifest.base_model if version == 0 else self.manifest.lora_name(version)
 
     @contextmanager
-    def generating(self) -> Iterator[int]:
+    def generating(self) -> Iterator[Version]:
         """The version a new group generates with, counted in flight (so not unloaded) until the block ends."""
         with self.holding(self.version) as version:
             yield version
 
     @contextmanager
-    def holding(self, version: int) -> Iterator[int]:
+    def holding(self, version: Version) -> Iterator[Version]:
         """`version` counted in flight (so not unloaded) until the block ends (e.g. while it is evaluated)."""
         self.inflight[version] = self.inflight.get(version, 0) + 1
         try:
@@ -89,9 +90,7 @@ class AdapterSync:
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.warning("could not list the adapters the replicas hold (%s: %s)", type(exc).__name__, exc)
             return
-        prefix = f"{self.manifest.run_id}-"
-        held = {layout.parse_version_dir(n[len(prefix) :]) for n in names if n.startswith(prefix)}
-        self.loaded |= {v for v in held if v is not None}
+        self.loaded |= set(Version.among(names, only="lora_name", run_id=self.manifest.run_id))
         if self.loaded:
             log.info("replicas already hold versions %s of this run", sorted(self.loaded))
 
@@ -116,7 +115,7 @@ class AdapterSync:
             if latest is not None and latest > self.version and not self._lock.locked():
                 await self._exchange(latest, force=False)
 
-    async def _exchange(self, latest: int | None, force: bool) -> None:
+    async def _exchange(self, latest: Version | None, force: bool) -> None:
         async with self._lock:
             try:
                 if latest is not None and latest > self.version and (force or time.monotonic() >= self._retry_at):
@@ -127,14 +126,12 @@ class AdapterSync:
                 log.warning("adapter sync with the proxy failed (%s: %s); retrying", type(exc).__name__, exc)
                 self._retry_at = time.monotonic() + RETRY_FAILED_S
 
-    async def _load(self, latest: int) -> None:
+    async def _load(self, latest: Version) -> None:
         name = self.manifest.lora_name(latest)
         # Emitted at every attempt: a version the proxy failed to load is detected again at the next poll.
         self.ev.emit(events.DETECTED, version=latest, lora_name=name)
         t0 = time.monotonic()
-        resp = await self.client.post(
-            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": layout.adapter_key(latest)}
-        )
+        resp = await self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": latest.key})
         if resp.status_code != 200:
             log.warning("proxy could not load %s (HTTP %d: %s); will retry", name, resp.status_code, resp.text[:300])
             self._retry_at = time.monotonic() + RETRY_FAILED_S

@@ -29,11 +29,11 @@ from typing import Any
 import httpx
 
 from bucket import events
+from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.datacursor import read_data_cursor, write_data_cursor
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.progress import read_done
 from bucket.rollouts import SamplingParams, ScoredGroup
-from bucket.settings import BucketConfig, ConfigError, open_bucket
 from bucket.store import Store
 from rollout_worker.adapter_sync import AdapterSync
 from rollout_worker.bucket_io import QueuedEvents

@@ -8,24 +8,20 @@ the generation loop touches no Prometheus object for it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Summary, generate_latest, start_http_server
+from prometheus_client import Counter, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger("brigade.rollout")
+from jobkit.metrics import ScrapeCollector, ServedMetrics
 
 
-class _Live:
+class _Live(ScrapeCollector):
     """The worker's state at scrape time, from `source()` (a dict of plain numbers)."""
 
     def __init__(self) -> None:
         self.source: Callable[[], dict[str, Any]] | None = None
-
-    def describe(self) -> list:
-        return []
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         if self.source is None:
@@ -55,11 +51,12 @@ class _Live:
         yield retries
 
 
-class RolloutMetrics:
+class RolloutMetrics(ServedMetrics):
     """What the rollout worker exports; a registry of its own (several workers can live in one test process)."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        super().__init__("rollout")
+        r = self.registry
         self.live = _Live()
         r.register(self.live)
         self.groups = Counter("brigade_rollout_groups_scored", "Prompt groups generated and scored.", registry=r)
@@ -79,28 +76,9 @@ class RolloutMetrics:
             "Time paused with nothing in flight because the trainer has not read enough (backpressure).",
             registry=r,
         )
-        self._server: Any = None
 
     def group(self, rewards: list[float], completion_tokens: int) -> None:
         self.groups.inc()
         self.generated_tokens.inc(completion_tokens)
         for reward in rewards:
             self.reward.observe(reward)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics from a thread; a port in use costs the metrics, never the rollouts."""
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            log.warning("metrics not served: cannot listen on %s:%d (%s); set --rollout.metrics-port", host, port, exc)
-            return
-        log.info("metrics on http://%s:%d/metrics", host, port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None

@@ -30,7 +30,7 @@ from typing import Any
 
 from datasets import Dataset, load_dataset
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 # Curriculum levels of the built-in arithmetic: operands in [0, max] (level 0 first).

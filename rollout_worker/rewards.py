@@ -35,7 +35,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 
 log = logging.getLogger("brigade.rollout")
 

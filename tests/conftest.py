@@ -19,10 +19,10 @@ import pytest
 
 from bucket import Store, adapters
 from bucket.manifest import RunSpec
-from machine.cpu import cpu_class
+from jobkit.cpu import cpu_class
 
 # Machines of this kind come with an AVX-512 CPU or an AVX2-only one about 4x slower for vLLM and the trainer
-# (issue 17); ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 make machine.cpu report the slow kind here too.
+# (issue 17); ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 make jobkit.cpu report the slow kind here too.
 SLOW = 4.0 if cpu_class() == "avx2" else 1.0
 
 
@@ -126,8 +126,8 @@ def model_dir() -> str:
 
     BRIGADE_HOME (or ~/.cache/brigade) holds it; the first build takes about 40 s.
     """
-    from bucket.settings import default_model_dir
     from infra.prepare_model import prepare_model
+    from jobkit.settings import default_model_dir
 
     return prepare_model(default_model_dir())
 

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from bucket import adapters, appendlog, checkpoints, events, layout, replicas
+from bucket import adapters, appendlog, checkpoints, events, replicas
 from bucket.manifest import ManifestMismatch, RunSpec, init_or_check, read_manifest, wait_and_check
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter, read_shards
 from bucket.store import BucketError, NotFound, Store
+from bucket.version import Version
 
 
 def test_put_get_roundtrip_and_missing(store: Store):
@@ -69,7 +70,7 @@ def test_adapter_publish_commit_and_latest(store: Store):
     assert adapters.latest_version(store) == 1
     assert adapters.read_verified(store, 1) == files
     # a trainer that died mid-upload leaves an uncommitted folder: it is never loaded, and its number is skipped
-    store.put_bytes(f"{layout.adapter_key(2)}/adapter_model.safetensors", b"half")
+    store.put_bytes(f"{Version(2).key}/adapter_model.safetensors", b"half")
     assert adapters.committed_versions(store) == [1]
     assert adapters.latest_version(store) == 1
     assert adapters.next_version(store) == 3
@@ -81,7 +82,7 @@ def test_adapter_publish_commit_and_latest(store: Store):
 
 def test_adapter_tampering_detected(store: Store):
     adapters.publish(store, 1, {"adapter_model.safetensors": b"abc", "adapter_config.json": b"{}"})
-    store.put_bytes(f"{layout.adapter_key(1)}/adapter_model.safetensors", b"abd")
+    store.put_bytes(f"{Version(1).key}/adapter_model.safetensors", b"abd")
     with pytest.raises(adapters.AdapterCorrupt):
         adapters.read_verified(store, 1)
 
@@ -188,7 +189,7 @@ def test_checkpoint_lineage(store: Store):
         {"optimizer.safetensors": b"o2"},
     )
     # a checkpoint whose state.json was never written does not exist
-    store.put_bytes(f"{layout.checkpoint_key(3)}/optimizer.safetensors", b"partial")
+    store.put_bytes(f"{Version(3).checkpoint_key}/optimizer.safetensors", b"partial")
     latest = checkpoints.load_latest(store)
     assert latest is not None and latest.version == 2 and latest.cursors == {"w": 0}
     assert [s.version for s in checkpoints.lineage(store)] == [1, 2]

@@ -8,10 +8,12 @@ import threading
 import pytest
 
 from bucket import appendlog, events, layout, progress
+from bucket.config import BucketConfig, ConfigError
 from bucket.manifest import RunSpec, UnknownFormat, init_or_check, read_manifest
 from bucket.rollouts import GroupId, Sample, SamplingParams, ScoredGroup, ShardWriter, read_groups, read_shards
-from bucket.settings import BucketConfig, ConfigError, config_model, job_main, load
 from bucket.store import BucketError, Store
+from jobkit.entry import job_main
+from jobkit.settings import config_model, load
 
 
 @pytest.fixture

@@ -29,10 +29,10 @@ from bucket.manifest import read_manifest
 from bucket.replicas import ReplicaInfo
 from bucket.rollouts import RolloutShard, Sample, SamplingParams, ScoredGroup, read_shards
 from bucket.store import Store
-from bucket.timeline import Timeline
 from infra.dashboard import health, page, terminal
 from infra.dashboard.data import RunData, percentile
 from infra.summary import summarize
+from infra.timeline import Timeline
 
 ARTIFACTS = os.path.join(REPO_ROOT, "test-artifacts")
 SHARD_KEY = appendlog.record_key(layout.ROLLOUTS, "rollout-w", 0)

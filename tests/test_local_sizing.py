@@ -1,6 +1,6 @@
 """`brigade local` sizes its evaluations for an AVX2-only CPU, never overriding what the user set (issue 17).
 
-Fast: no job is started. The host's CPU is stood in for (machine.cpu reads /proc/cpuinfo once), so each test
+Fast: no job is started. The host's CPU is stood in for (jobkit.cpu reads /proc/cpuinfo once), so each test
 means the same on either kind of machine; the cap variables are read on every call, as on a real run.
 """
 
@@ -17,7 +17,7 @@ from infra.cli import TOOLS, build_parser
 from infra.config import load
 from infra.local_sizing import AVX2_ROLLOUT, describe_sizing, size_for_cpu
 from infra.local_summary import Ending, write_summary
-from machine import cpu
+from jobkit import cpu
 
 AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 DEFAULTS = {"eval_size": 200, "eval_max_tokens": 32, "eval_every_versions": 8}

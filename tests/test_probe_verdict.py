@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import random
 
+from bucket.version import Version
 from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
 from proxy.probe import judge
 
-REF = AdapterRef("run-v000004", 4, "v000004")
+REF = AdapterRef("run-v000004", Version(4))
 POSITIONS = 16  # the proxy's default canary_positions
 
 

@@ -28,6 +28,7 @@ from bucket import events
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import SamplingParams
 from bucket.store import Store
+from bucket.version import Version
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 from proxy.httpserver import HttpServer
@@ -421,7 +422,7 @@ def test_admin_endpoints_need_the_admin_token(tmp_path, monkeypatch):
 
 def test_without_an_admin_token_the_proxy_listens_on_loopback_only(tmp_path, monkeypatch, caplog):
     import proxy.main as pm
-    from bucket.settings import BucketConfig
+    from bucket.config import BucketConfig
 
     store, _ = make_store(tmp_path)
     monkeypatch.delenv("BRIGADE_PROXY_ADMIN_TOKEN", raising=False)
@@ -502,15 +503,13 @@ def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(vllm_r
 
 
 async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any, started: dict) -> tuple:
-    from bucket import layout
-
     doomed = "test-replica-doomed"
     name = manifest.lora_name(version)
     proxy = Proxy(ProxyConfig(refresh_s=0.5, load_retry_s=30), store, manifest)
     async with served(proxy) as url, httpx.AsyncClient(base_url=url, timeout=300) as client:
         while len(proxy.routable) < 2:
             await asyncio.sleep(0.2)
-        load = {"lora_name": name, "lora_path": layout.adapter_key(version)}
+        load = {"lora_name": name, "lora_path": Version(version).key}
         resp = await client.post("/v1/load_lora_adapter", json=load)
         assert resp.status_code == 200, resp.text
         start()

@@ -31,6 +31,7 @@ from bucket import adapters, events, layout, live
 from bucket.manifest import RunSpec, init_or_check
 from bucket.replicas import ReplicaInfo, heartbeat, register
 from bucket.store import Store
+from bucket.version import Version
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 
@@ -221,7 +222,7 @@ async def running(
 
 
 def load_body(manifest: Any, version: int) -> dict[str, Any]:
-    return {"lora_name": manifest.lora_name(version), "lora_path": layout.adapter_key(version)}
+    return {"lora_name": manifest.lora_name(version), "lora_path": Version(version).key}
 
 
 def kinds(store: Store) -> list[str]:
@@ -364,7 +365,7 @@ def test_already_loaded_counts_as_success(tmp_path):
             # The same name from another version is a different adapter: refused.
             adapters.publish(store, 2, ADAPTER_FILES)
             resp = await client.post(
-                "/v1/load_lora_adapter", json={"lora_name": manifest.lora_name(1), "lora_path": layout.adapter_key(2)}
+                "/v1/load_lora_adapter", json={"lora_name": manifest.lora_name(1), "lora_path": Version(2).key}
             )
             assert resp.status_code == 409
 
@@ -477,7 +478,7 @@ def test_a_trl_adapter_folder_in_the_bucket_is_imported_under_its_own_name(tmp_p
             marker = adapters.commit_marker(store, first)
             assert marker["imported"]["from"] == "trl-out/.vllm_lora/trl-policy-v1"
             assert adapters.read_verified(store, first)["adapter_model.safetensors"] == b"weights one"
-            assert {f.loaded["trl-policy-v1"] for f in fakes} == {f"/replica/adapters/{layout.version_dir(first)}"}
+            assert {f.loaded["trl-policy-v1"] for f in fakes} == {f"/replica/adapters/{Version(first).folder}"}
             # a retried request: the same version, no new import
             assert (await load(client, "trl-policy-v1", v1)).status_code == 200
             assert adapters.committed_versions(store) == [first]
@@ -898,11 +899,11 @@ def test_registered_replica_that_does_not_answer_gets_no_traffic(tmp_path):
 
 def test_lora_path_forms_for_an_object_store_bucket():
     """Pure path check (no server): with an s3:// bucket, its own URL is accepted and local paths are not."""
-    from proxy.lora_paths import BadAdapterPath, version_dir_of
+    from proxy.lora_paths import BadAdapterPath, version_of
 
     store = Store("s3://my-bucket/run")
-    assert version_dir_of(store, "s3://my-bucket/run/adapters/v000007") == "v000007"
-    assert version_dir_of(store, "adapters/v000007") == "v000007"
+    assert version_of(store, "s3://my-bucket/run/adapters/v000007") == Version(7)
+    assert version_of(store, "adapters/v000007") == Version(7)
     for bad in (
         "s3://my-bucket/other/adapters/v000007",
         "s3://my-bucket/run/adapters/../adapters/v000007",
@@ -910,4 +911,4 @@ def test_lora_path_forms_for_an_object_store_bucket():
         "s3://my-bucket/run-2/adapters/v000007",
     ):
         with pytest.raises(BadAdapterPath):
-            version_dir_of(store, bad)
+            version_of(store, bad)

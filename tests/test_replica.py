@@ -18,6 +18,7 @@ from promql import missing, scrape
 from bucket import adapters, events, layout, live, replicas
 from bucket.manifest import RunSpec, init_or_check, read_manifest
 from bucket.store import Store
+from bucket.version import Version
 from replica import mirror as mirror_mod
 from replica.config import ReplicaConfig
 from replica.mirror import AdapterMirror
@@ -351,7 +352,7 @@ def test_published_adapter_loads_from_adapter_root_and_changes_generation(vllm_r
     adapters.publish(store, version, make_adapter_files(model_dir, str(tmp_path / "adapter")))
     name = manifest.lora_name(version)
     replica = infos[1]
-    load = {"lora_name": name, "lora_path": f"{replica.adapter_root}/{layout.version_dir(version)}"}
+    load = {"lora_name": name, "lora_path": version.path_under(replica.adapter_root)}
     resp = httpx.post(f"{replica.url}/v1/load_lora_adapter", json=load, timeout=120)
     assert resp.status_code == 200 and resp.text.startswith("Success"), resp.text
     try:
@@ -401,7 +402,7 @@ def test_mirror_copies_committed_versions_verified(s3_store, tmp_path):
     published = {1: fake_adapter(1), 2: fake_adapter(2)}
     for v, files in published.items():
         adapters.publish(s3_store, v, files)
-    s3_store.put_bytes(f"{layout.adapter_key(3)}/adapter_model.safetensors", b"abandoned upload")  # never committed
+    s3_store.put_bytes(f"{Version(3).key}/adapter_model.safetensors", b"abandoned upload")  # never committed
     seen = []
     mirror = AdapterMirror(s3_store, str(tmp_path / "cache"), window=5, on_mirrored=lambda v, t: seen.append(v))
     assert mirror.sync_once() == [1, 2] and seen == [2, 1]  # newest first: the one about to be loaded
@@ -412,7 +413,7 @@ def test_mirror_copies_committed_versions_verified(s3_store, tmp_path):
     assert sorted(os.listdir(tmp_path / "cache")) == ["v000001", "v000002", "v000004"]
     for v, files in published.items():
         for name, data in files.items():
-            assert (tmp_path / "cache" / layout.version_dir(v) / name).read_bytes() == data
+            assert (tmp_path / "cache" / Version(v).folder / name).read_bytes() == data
 
 
 def test_mirror_first_sync_takes_every_version_it_keeps(s3_store, tmp_path):
@@ -474,7 +475,7 @@ def test_mirror_never_deletes_what_its_vllm_has_registered(s3_store, tmp_path):
 
 def test_mirror_refuses_an_adapter_that_fails_its_checksum(s3_store, tmp_path):
     adapters.publish(s3_store, 1, fake_adapter(1))
-    s3_store.put_bytes(f"{layout.adapter_key(1)}/adapter_model.safetensors", b"tampered after commit")
+    s3_store.put_bytes(f"{Version(1).key}/adapter_model.safetensors", b"tampered after commit")
     mirror = AdapterMirror(s3_store, str(tmp_path / "cache"), window=3)
     assert mirror.sync_once() == []
     assert os.listdir(tmp_path / "cache") == []
@@ -491,7 +492,7 @@ def test_mirror_never_exposes_a_partial_folder(s3_store, tmp_path, monkeypatch):
     def watch():
         while not stop.is_set():
             for name in os.listdir(cache) if cache.exists() else []:
-                if layout.parse_version_dir(name) is None:
+                if not Version.among([name]):
                     continue
                 try:
                     sizes = {n: (cache / name / n).stat().st_size for n in files}

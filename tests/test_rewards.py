@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 from rollout_worker.rewards import Scorer, exact_match, extract_number, format_reward, math_verify_reward
 
 

@@ -13,16 +13,16 @@ import httpx
 from conftest import make_adapter_files
 from test_proxy_vllm import proxied
 
-from bucket import adapters, layout
+from bucket import adapters
 from bucket.events import EventLog
+from bucket.version import Version
 from rollout_worker.adapter_sync import AdapterSync
 
 
 def held(url: str, run_id: str) -> set[int]:
     """Versions of this run a replica holds, from its own /v1/models."""
     names = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
-    versions = {layout.parse_version_dir(n[len(run_id) + 1 :]) for n in names if n.startswith(f"{run_id}-")}
-    return {v for v in versions if v is not None}
+    return set(Version.among(names, only="lora_name", run_id=run_id))
 
 
 def test_a_restarted_worker_unloads_versions_its_predecessor_loaded(vllm_replicas, model_dir, tmp_path):
@@ -43,7 +43,7 @@ def test_a_restarted_worker_unloads_versions_its_predecessor_loaded(vllm_replica
             # the previous worker loaded `old`, then died
             resp = await client.post(
                 "/v1/load_lora_adapter",
-                json={"lora_name": manifest.lora_name(old), "lora_path": layout.adapter_key(old)},
+                json={"lora_name": manifest.lora_name(old), "lora_path": Version(old).key},
             )
             assert resp.status_code == 200, resp.text
             assert all(old in held(i.url, manifest.run_id) for i in infos)

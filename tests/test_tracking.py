@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from bucket import events
-from bucket.timeline import Timeline
+from infra.timeline import Timeline
 
 
 def wandb_history(run_file: str) -> list[dict]:

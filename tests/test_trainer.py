@@ -19,6 +19,7 @@ from bucket import adapters, checkpoints, events, layout
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
 from bucket.store import Store
+from bucket.version import Version
 from infra.config import ConfigError, load
 from trainer.main import run as run_trainer
 from trainer.metrics import prometheus_name
@@ -112,7 +113,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
 
     # A restarted trainer resumes from its checkpoint; new rollouts from v0 are now too stale (window 2) and are
     # dropped, recorded, never trained; a fresh group from v3 is trained.
-    store.put_bytes(f"{layout.adapter_key(4)}/adapter_model.safetensors", b"crashed mid-upload")
+    store.put_bytes(f"{Version(4).key}/adapter_model.safetensors", b"crashed mid-upload")
     writer.write([_group(base_model, rng, 0), _group(base_model, rng, 3)])
     writer.write([_group(base_model, rng, 3), _group(base_model, rng, 3)])
     # a malformed shard (one logprob missing) is recorded as invalid and skipped, not retried forever

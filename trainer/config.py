@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from bucket.settings import default_model_dir
+from jobkit.settings import default_model_dir
 
 
 class TrainerConfig(BaseModel):

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from bucket import layout, progress, tokenizer_id
+from bucket import progress, tokenizer_id
+from bucket.config import BucketConfig, open_bucket
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import GroupId, ScoredGroup
-from bucket.settings import BucketConfig, open_bucket
 from bucket.store import Store
 from trainer.config import TrainerConfig
 from trainer.distributed import DataParallel
@@ -75,7 +75,7 @@ def _train(trainer: Trainer, settings: TrainerConfig, store: Store, dp: DataPara
     log.info(
         "done: %d steps, final adapter %s, %.0fs",
         trainer.step,
-        layout.version_dir(trainer.version),
+        trainer.version.folder,
         time.monotonic() - started,
     )
     return 0

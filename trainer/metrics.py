@@ -10,7 +10,6 @@ metric the loss adds later is exported without touching this file.
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
@@ -18,10 +17,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-log = logging.getLogger("brigade.trainer")
+from jobkit.metrics import ScrapeCollector, ServedMetrics
 
 PREFIX = "brigade_trainer_"
 STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -35,7 +34,7 @@ def prometheus_name(trl_name: str) -> str:
     return PREFIX + re.sub(r"[^a-z0-9_]", "_", trl_name.lower())
 
 
-class _LastStep:
+class _LastStep(ScrapeCollector):
     """Every numeric field of the last step, as gauges, read when Prometheus scrapes."""
 
     def __init__(self) -> None:
@@ -47,9 +46,6 @@ class _LastStep:
         with self._lock:
             self.values = {k: v for k, v in numbers.items() if k not in NOT_GAUGES}
 
-    def describe(self) -> list:
-        return []
-
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
             values = dict(self.values)
@@ -57,11 +53,12 @@ class _LastStep:
             yield GaugeMetricFamily(prometheus_name(name), f"Last optimizer step's {name} (TRL's name).", value=value)
 
 
-class TrainerMetrics:
+class TrainerMetrics(ServedMetrics):
     """What the trainer exports; a registry of its own, so several trainers can run in one test process."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        super().__init__("trainer")
+        r = self.registry
         self.last_step = _LastStep()
         r.register(self.last_step)
         self.steps = Counter("brigade_trainer_steps", "Optimizer steps taken by this process.", registry=r)
@@ -98,7 +95,6 @@ class TrainerMetrics:
             buckets=PUBLISH_BUCKETS,
             registry=r,
         )
-        self._server: Any = None
 
     # -- what the trainer reports ------------------------------------------------------------------
     def step(self, m: dict[str, Any]) -> None:
@@ -124,22 +120,3 @@ class TrainerMetrics:
         finally:
             self.wait_seconds.inc(time.monotonic() - t0)
             self.waiting.set(0)
-
-    # -- serving ---------------------------------------------------------------------------------------
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics from a thread; a port in use costs the metrics, never the training run."""
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            log.warning("metrics not served: cannot listen on %s:%d (%s); set --trainer.metrics-port", host, port, exc)
-            return
-        log.info("metrics on http://%s:%d/metrics", host, port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None

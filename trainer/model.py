@@ -21,9 +21,9 @@ from safetensors.torch import load, save
 from transformers import AutoModelForCausalLM
 
 from bucket import adapters
+from bucket.config import ConfigError
 from bucket.manifest import RunManifest, RunSpec
-from bucket.settings import ConfigError
-from machine.cpu import native_bf16
+from jobkit.cpu import native_bf16
 from trainer.packing import PACKED_ATTENTION, causal_lm, set_matmul_dtype
 
 OPTIMIZER_FILE = "optimizer.safetensors"

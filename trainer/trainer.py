@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from bucket import adapters, checkpoints, events, layout, progress
+from bucket import adapters, checkpoints, events, progress
 from bucket.events import EventLog
 from bucket.manifest import RunManifest
 from bucket.rollouts import GroupId, ScoredGroup
 from bucket.store import Store
+from bucket.version import Version
 from trainer.buffer import RolloutBuffer
 from trainer.canary import canary_fields
 from trainer.config import TrainerConfig
@@ -57,7 +58,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
         self.buffer = RolloutBuffer(store, manifest.max_staleness)
-        self.version = 0  # the last version published (0 = nothing yet)
+        self.version = Version(0)  # the last version published (0 = nothing yet)
         self.step = 0
         self.trained: list[GroupId] = []  # since the last checkpoint
         self.skipped: list[GroupId] = []  # zero reward variance, since the last checkpoint
@@ -77,7 +78,7 @@ class Trainer:
         self.version, self.step = state.version, state.step
         self.groups_trained, self.groups_dropped_stale = state.groups_trained, state.groups_dropped_stale
         self.groups_skipped = state.groups_skipped_zero_variance
-        log.info("resumed from checkpoint %s at step %d", layout.version_dir(state.version), state.step)
+        log.info("resumed from checkpoint %s at step %d", state.version.folder, state.step)
         return True
 
     # -- reading rollouts -------------------------------------------------------
@@ -227,7 +228,7 @@ class Trainer:
             upload_s=round(upload_s, 4),
         )
         self.metrics.published(version, serialize_s, upload_s)
-        log.info("published adapter %s (%s) at step %d", layout.version_dir(version), lora_name, self.step)
+        log.info("published adapter %s (%s) at step %d", version.folder, lora_name, self.step)
         self.trained, self.skipped = [], []
         self.buffer.clear_records()
 

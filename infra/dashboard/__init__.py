@@ -8,7 +8,7 @@
   terminal.py  the same in a terminal (--terminal), with rich
   main.py    the command's flags
 
-Per-version sync stages come from `bucket.timeline`. See docs/dashboard.md.
+Per-version sync stages come from `infra.timeline`. See docs/dashboard.md.
 """
 
 from infra.dashboard.main import DESCRIPTION, main

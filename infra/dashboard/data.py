@@ -22,8 +22,8 @@ from bucket.progress import TrainerDone, read_done
 from bucket.replicas import ReplicaInfo
 from bucket.rollouts import read_shards
 from bucket.store import NotFound, Store
-from bucket.timeline import VERSION_KINDS, Timeline, VersionSync
 from infra.summary import run_figures
+from infra.timeline import VERSION_KINDS, Timeline, VersionSync
 
 log = logging.getLogger("brigade.dashboard")
 
@@ -211,7 +211,7 @@ class RunData:
             if not parent:
                 break
             state = self.states.get(parent) or TrainerState(
-                **self.store.get_json(f"{layout.checkpoint_key(parent)}/{checkpoints.STATE}")
+                **self.store.get_json(f"{parent.checkpoint_key}/{checkpoints.STATE}")
             )
         self.lineage = chain[::-1]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from bucket.timeline import STAGES, VersionSync
 from infra.dashboard.data import RunData, percentile
+from infra.timeline import STAGES, VersionSync
 
 P95_LIMIT_S = 2.0
 WINDOW = 10

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bucket.settings import BucketConfig, ConfigError, add_flags, config_model, load, open_bucket, setup_logging
+from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.store import BucketError
+from jobkit.entry import setup_logging
+from jobkit.settings import add_flags, config_model, load
 
 DESCRIPTION = (
     "Serve a web page of a run, live from its bucket (read access only): sync latency per version, stage and "
@@ -31,7 +33,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     g.add_argument("--out", metavar="FILE", help="Write the page once to FILE (a snapshot, no server) and exit.")
     g.add_argument("--terminal", action="store_true", help="Show the dashboard in this terminal instead of serving it.")
-    add_flags(parser, _Tables)
+    add_flags(parser, _Tables, only={"bucket": ["url"]})
     return parser
 
 

@@ -14,12 +14,12 @@ import time
 from html import escape
 from typing import Any
 
-from bucket.timeline import STAGES, Clocks, VersionSync
 from infra.dashboard import svg
 from infra.dashboard.data import RunData, percentile
 from infra.dashboard.health import P95_LIMIT_S, WINDOW, Health, check
 from infra.dashboard.replica_panels import replica_panels
 from infra.dashboard.training_panels import training_panels
+from infra.timeline import STAGES, Clocks, VersionSync
 
 STAGE_LABEL = {
     "step_done": "step done",

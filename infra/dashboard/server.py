@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from bucket.store import Store
-from bucket.timeline import VersionSync
 from infra.dashboard import page
 from infra.dashboard.data import RunData
 from infra.dashboard.health import check
+from infra.timeline import VersionSync
 
 log = logging.getLogger("brigade.dashboard")
 FINISHED_REFRESH_S = 30.0  # a finished run is re-read now and then: it may be resumed

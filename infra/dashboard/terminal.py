@@ -13,9 +13,9 @@ from rich.panel import Panel
 from rich.table import Table
 
 from bucket.store import Store
-from bucket.timeline import STAGES
 from infra.dashboard.data import RunData
 from infra.dashboard.health import check
+from infra.timeline import STAGES
 
 log = logging.getLogger("brigade.local")
 

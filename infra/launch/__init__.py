@@ -15,10 +15,11 @@ import sys
 
 from pydantic import BaseModel
 
-from bucket.settings import ConfigError, add_flags, config_model, load
+from bucket.config import ConfigError
 from infra.config import TABLES
 from infra.launch.config import LaunchConfig, check
 from infra.launch.targets import TARGETS
+from jobkit.settings import add_flags, config_model, load
 
 HELP = "Render a launcher (Hugging Face Jobs, SkyPilot, Kubernetes, SLURM) from the run config's [launch] table."
 MODEL = config_model("LaunchRunConfig", {**TABLES, "launch": LaunchConfig})

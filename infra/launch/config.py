@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 
 MODEL_DIR = "/tmp/brigade/model"  # where `brigade-job` downloads launch.model_repo (docker/brigade-job)
 CONFIG_PATH = "/etc/brigade/run.toml"  # where a launcher mounts the jobs' run.toml, where it can mount one

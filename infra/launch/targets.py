@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 from infra.launch.config import CONFIG_PATH, Deployment, Gpus
 
 HERE = Path(__file__).parent

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from bucket.settings import ConfigError
+from bucket.config import ConfigError
 
 BF16_BYTES = 2
 

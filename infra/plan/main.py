@@ -16,19 +16,30 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from bucket.config import ConfigError
 from bucket.manifest import RunManifest
-from bucket.settings import ConfigError, setup_logging, to_toml
-from infra.config import Config, add_flags, load
+from infra.config import Config, Flags, add_flags, load
 from infra.plan.arch import ModelArch, PlanError, load_arch, model_name
 from infra.plan.report import Link, Plan, render, to_json
 from infra.plan.sizing import GB, GiB, RunShape, training_state_bytes, weight_bytes
 from infra.plan.split import MODES, Hardware, Split, split
+from jobkit.entry import setup_logging
+from jobkit.settings import to_toml
 from replica.vllm_server import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, plan_server
 
 DESCRIPTION = (
     "Plan a run's GPUs, KV cache and replica flags from the model's config.json; --out writes a run config "
     "every command accepts."
 )
+# The run-config settings a plan reads (its inputs, and what decides the replica flags it shows); every other
+# setting of a --config file passes into --out unchanged.
+FLAGS: Flags = {
+    "run": ["base_model", "lora_rank", "lora_target_modules", "num_generations", "max_staleness"],
+    "trainer": ["groups_per_step", "weight_sync_steps", "beta"],
+    "rollout": ["max_completion_length", "max_unconsumed_groups"],
+    "replica": ["model_path", "block_size", "kv_cache_gib", "max_loras"],
+    "local": ["num_replicas"],
+}
 # Memory per card as sold (GB = 10^9 bytes), for --gpu NAME.
 GPU_MEMORY_GB: dict[str, float] = {
     "l4": 24,
@@ -263,7 +274,11 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=DESCRIPTION,
+        epilog="The table flags are the settings a plan reads; --out carries every other setting of --config.",
+    )
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
     g = parser.add_argument_group("plan (flags of `brigade plan` only; the run's shape comes from the tables below)")
     g.add_argument(
@@ -315,7 +330,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     g.add_argument("--link", default="pcie5", help=f"Link a weight sync crosses: GB/s, or {', '.join(LINK_GB_S)}.")
     g.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
     g.add_argument("--out", metavar="FILE", help="Write the plan: FILE.toml = a run config for --config; FILE.json.")
-    add_flags(parser, ["run", "bucket", "trainer", "rollout", "replica", "local"])
+    add_flags(parser, FLAGS)
     return parser
 
 
