@@ -8,7 +8,7 @@ server on loopback behind a fault layer that fails ~10 % of requests (503s,
 500s, answers lost after the fact, requests held past the client's timeout).
 A seeded schedule adds a replica, SIGKILLs every job kind at least once at
 random moments and restarts it, and SIGTERMs a replica (the schedule and the
-job control: infra/chaos.py; `run_chaos` here is also what tests/test_chaos.py
+job control: infra/chaos.py; `run_chaos` here is also what tests/e2e/test_chaos.py
 runs, for 3 minutes).
 
 The last line printed is one JSON object: `minutes`, `kills` (per job kind),

@@ -31,7 +31,7 @@ log = logging.getLogger("brigade.events")
 class EventKind(StrEnum):
     PUBLISHED = "adapter_published"  # trainer: version committed in the bucket (serialize_s, upload_s)
     TRAIN_STEP = "train_step"  # trainer: one optimizer step's metrics
-    DETECTED = "adapter_detected"  # rollout worker: saw the new LATEST pointer
+    DETECTED = "adapter_detected"  # proxy: saw the new LATEST pointer, about to load it (older runs: rollout worker)
     FIRST_ROLLOUT = "adapter_first_rollout"  # rollout worker: first scored group of a version per replica (replica)
     SHARD_WRITTEN = "rollout_shard_written"  # rollout worker
     LOADED = "adapter_loaded"  # proxy: loaded on one replica (field: replica)

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from bucket import layout
 from bucket.store import NotFound, Store
+from bucket.version import Version
 
 
 class ReplicaInfo(BaseModel):
@@ -31,6 +32,10 @@ class ReplicaInfo(BaseModel):
     # KV cache blocks of block_size tokens (vLLM's num_gpu_blocks; 0 = unknown): the proxy forgets the prefixes
     # a replica has likely evicted once more than this many blocks went to it since.
     kv_blocks: int = 0
+    # The committed versions this replica's mirror holds on its disk, rewritten as soon as one lands; the proxy
+    # sends a load only once the version is listed here. None: no mirror (vLLM reads the bucket's own folder,
+    # a local path or mount), so a load is sent at once and "No adapter found" retried for a bounded time.
+    mirrored: list[Version] | None = None
     beat: int = 0
     heartbeat_at: float = 0.0
 
@@ -47,6 +52,14 @@ def register(store: Store, info: ReplicaInfo) -> None:
 def heartbeat(store: Store, info: ReplicaInfo) -> None:
     info.beat += 1
     register(store, info)
+
+
+def read(store: Store, replica_id: str) -> ReplicaInfo | None:
+    """One replica's registration as written last, None when it is not registered (or mid-rewrite)."""
+    try:
+        return ReplicaInfo(**store.get_json(key(replica_id)))
+    except (NotFound, ValueError):
+        return None
 
 
 def deregister(store: Store, replica_id: str) -> None:

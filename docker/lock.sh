@@ -5,7 +5,7 @@
 #
 #   bash docker/lock.sh
 #
-# tests/test_launch.py fails when a lock no longer satisfies pyproject.toml, and resolves each lock
+# tests/infra/test_launch.py fails when a lock no longer satisfies pyproject.toml, and resolves each lock
 # against PyPI (pip install --dry-run) for the image's Python and platform.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ compile() {  # compile PYTHON GLIBC OUTPUT ARGS...: wheels only, for Linux x86_6
     shift 3
     uv pip compile --quiet --python-version "$python" --python-platform "x86_64-manylinux_$glibc" --only-binary :all: \
         --custom-compile-command "bash docker/lock.sh" --output-file "$output" "$@"
-    # Read by tests/test_launch.py, which resolves the lock with pip for the same Python and platform.
+    # Read by tests/infra/test_launch.py, which resolves the lock with pip for the same Python and platform.
     sed -i "1i # target: python $python, manylinux_${glibc}_x86_64" "$output"
 }
 

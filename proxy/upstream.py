@@ -10,7 +10,10 @@ from typing import Any
 
 import httpx
 
+from bucket import replicas
 from bucket.replicas import ReplicaInfo
+from bucket.store import Store
+from bucket.version import Version
 from proxy.config import ProxyConfig
 from proxy.lora_paths import ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, error_message
 
@@ -22,6 +25,7 @@ RETRY_FIRST_S = 0.05
 RETRY_FLAT_S = 1.0
 RETRY_MAX_S = 2.0
 PROBE_TIMEOUT_S = 5.0
+MIRROR_POLL_S = 0.05  # while a load waits for a mirror: one small GET of that replica's registry entry
 
 
 @dataclass
@@ -66,8 +70,11 @@ class HealthAnswer:
 class Upstream:
     """One HTTP client to every replica (opened by `open`), sending the replicas' bearer token on each call."""
 
-    def __init__(self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None, store: Store | None = None
+    ) -> None:
         self.config = config
+        self.store = store  # where mirrored replicas list what is on their disk (bucket/replicas.py)
         self.transport = transport  # tests put fake replicas here (the hot path then goes through httpx too)
         self._client: httpx.AsyncClient | None = None
         key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
@@ -133,6 +140,9 @@ class Upstream:
             "lora_path": ad.version.path_under(info.adapter_root),
             "load_inplace": False,
         }
+        missing = await self._on_disk(info, ad.version)
+        if missing is not None:
+            return ReplicaResult(info.replica_id, False, reason=missing, done_at=time.monotonic())
         delay, attempts, started = RETRY_FIRST_S, 0, time.monotonic()
         while True:
             attempts += 1
@@ -170,6 +180,29 @@ class Upstream:
             return ReplicaResult(
                 info.replica_id, False, status=resp.status_code, reason=reason, done_at=now, attempts=attempts
             )
+
+    async def _on_disk(self, info: ReplicaInfo, version: Version) -> str | None:
+        """Wait until a mirrored replica lists `version` as on its disk (its sidecar rewrites its registry entry
+        as soon as a copy lands); None once it does, or at once for a replica without a mirror, else why not.
+
+        A load is sent only then, so vLLM never looks for a folder that is not there yet; replicas that read
+        the bucket's own folder (a local path or mount) keep the bounded "No adapter found" retry instead."""
+        if info.mirrored is None or version in info.mirrored or self.store is None:
+            return None
+        deadline = time.monotonic() + self.config.mirror_wait_s
+        while True:
+            now = await asyncio.to_thread(replicas.read, self.store, info.replica_id)
+            if now is not None and now.mirrored is not None:
+                info.mirrored = now.mirrored
+                if version in now.mirrored:
+                    return None
+            if time.monotonic() >= deadline:
+                held = ", ".join(v.folder for v in (info.mirrored or [])[-4:]) or "nothing"
+                return (
+                    f"its mirror did not list {version.folder} within mirror_wait_s={self.config.mirror_wait_s:g}s "
+                    f"(newest it holds: {held}); see the replica sidecar's log: can it read the bucket?"
+                )
+            await asyncio.sleep(MIRROR_POLL_S)
 
     async def unload_on(self, info: ReplicaInfo, lora_name: str) -> ReplicaResult:
         try:

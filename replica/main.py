@@ -99,6 +99,8 @@ class Replica:
         self.registered = False
         self.server: VllmServer | None = None
         self.mirror: AdapterMirror | None = None
+        self.info: ReplicaInfo | None = None  # set once registered
+        self._registry_lock = threading.Lock()
         self._own_cache_dir: str | None = None
         self._threads: list[threading.Thread] = []
         self.metrics = ReplicaMetrics(self.rid)
@@ -168,20 +170,39 @@ class Replica:
             if self.stop.is_set():
                 return  # shutting down: do not re-register
             try:
-                replicas.heartbeat(store, info)
+                with self._registry_lock:  # the mirror loop rewrites the same entry when a version lands
+                    if self.mirror is not None:
+                        info.mirrored = self.mirror.mirrored()
+                    replicas.heartbeat(store, info)
                 self.metrics.heartbeat()
             except Exception as exc:  # a bucket hiccup must not kill a serving replica
                 log.warning("heartbeat failed: %s", exc)
                 self.metrics.heartbeat_failures.labels("bucket").inc()
 
-    def _mirror_loop(self) -> None:
+    def _mirror_loop(self, store: Store) -> None:
         while not self.stop.wait(MIRROR_POLL_S):
             try:
                 for v in self.mirror.sync_once():
                     log.info("mirrored adapter %s into %s", v.folder, self.mirror.path(v))
+                self._publish_mirrored(store)
             except Exception as exc:
                 log.warning("adapter mirror: %s", exc)
                 self.metrics.mirror_failures.inc()
+
+    def _publish_mirrored(self, store: Store) -> None:
+        """Rewrite the registry entry as soon as the mirror's contents change, not at the next heartbeat: the
+        proxy sends a load here only once the version is listed (so vLLM never looks for a missing folder)."""
+        info = self.info
+        if info is None or self.mirror is None:
+            return  # not registered yet: the registration will carry the list
+        now = self.mirror.mirrored()
+        if now == info.mirrored:
+            return
+        with self._registry_lock:
+            if self.stop.is_set():
+                return  # shutting down: a write now would re-register us after the deregistration
+            info.mirrored = now
+            replicas.register(store, info)
 
     def _warm_up(self, manifest: RunManifest) -> float | None:
         """The first LoRA load and use, paid before registering (replica/warmup.py); None if it failed."""
@@ -221,7 +242,7 @@ class Replica:
                 # Mirroring goes on while vLLM starts (a minute on CPU): a replica joining a running run
                 # then holds every version the proxy will give it when it registers, instead of making
                 # the join wait on "No adapter found" while it catches up.
-                self._start_thread(self._mirror_loop)
+                self._start_thread(self._mirror_loop, store)
             self.server = VllmServer(plan, self._log_path())
             print(
                 f"brigade replica {self.rid}: starting vLLM on {plan.base_url} "
@@ -243,6 +264,7 @@ class Replica:
                 max_loras=plan.max_loras,
                 started_at=time.time(),
                 kv_blocks=self.server.kv_blocks(),
+                mirrored=self.mirror.mirrored() if self.mirror is not None else None,
             )
             # The started event goes first: once registered, the proxy may load adapters here at once (a
             # registration write that S3 applied and answered 500 to is seen during its retry), and a started
@@ -256,7 +278,9 @@ class Replica:
                 adapter_root=adapter_root,
                 metrics_url=self.metrics.url,
             )
-            replicas.register(store, info)
+            with self._registry_lock:
+                replicas.register(store, info)
+                self.info = info
             self.registered = True
             self.metrics.started(info.url, startup_s)
             print(

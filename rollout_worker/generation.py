@@ -70,7 +70,8 @@ class Generator:
         """`n` completions; each is retried on its own, and a group fails only after every sibling has ended."""
         if self.shape == "n_group":
             resp = await self._post("/v1/completions", self._body(model, ids, n))
-            samples = [self._sample(resp, choice) for choice in sorted(resp.json()["choices"], key=_index)]
+            data = _check_served(model, resp.json())
+            samples = [self._sample(resp, choice) for choice in sorted(data["choices"], key=_index)]
             if len(samples) != n:
                 raise GenerationFailed(f"asked for {n} completions in one request, got {len(samples)}")
             return samples
@@ -83,7 +84,7 @@ class Generator:
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
         """One sampled completion with vLLM's logprob of each token (the trainer's importance-ratio denominator)."""
         resp = await self._post("/v1/completions", self._body(model, ids, 1))
-        return self._sample(resp, resp.json()["choices"][0])
+        return self._sample(resp, _check_served(model, resp.json())["choices"][0])
 
     def _body(self, model: str, ids: list[int], n: int) -> dict[str, Any]:
         return {
@@ -137,6 +138,15 @@ class Generator:
             finish_reason=choice.get("finish_reason"),
             replica=resp.headers.get("x-brigade-replica", ""),
         )
+
+
+def _check_served(model: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The answer, once it says the model asked for served it: a group records the version that served it, so
+    an answer from another one must not be kept under it."""
+    served = data.get("model")
+    if isinstance(served, str) and served != model:
+        raise GenerationFailed(f"asked {model!r} for a completion, and {served!r} answered")
+    return data
 
 
 def _index(choice: dict[str, Any]) -> int:

@@ -7,7 +7,7 @@ torch: tokens come from the replicas' own tokenizer through the proxy's
 /tokenize.
 
 The parts, each in its own module:
-  adapter_sync.py  watches adapters/LATEST.json, has the proxy load and unload versions
+  live_adapter.py  which version is newest on the proxy (the proxy alone loads and unloads)
   generation.py    prompt tokens and completions through the proxy
   rewards.py       reward functions (TRL signature), scored in a process pool
   shards.py        shard writing and the lead over the trainer (backpressure)
@@ -21,25 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from typing import Any
 
 import httpx
 
-from bucket import events
+from bucket import adapters, events
 from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.datacursor import read_data_cursor, write_data_cursor
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.progress import read_done
 from bucket.rollouts import SamplingParams, ScoredGroup
 from bucket.store import Store
-from rollout_worker.adapter_sync import AdapterSync
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import Generator
+from rollout_worker.live_adapter import LiveAdapter
 from rollout_worker.metrics import RolloutMetrics
 from rollout_worker.prompts import load_data
 from rollout_worker.rewards import Scorer
@@ -47,9 +46,9 @@ from rollout_worker.sampler import PromptSampler, Ticket
 from rollout_worker.shards import ShardOutput
 
 log = logging.getLogger("brigade.rollout")
-PROXY_TOKEN_ENV = "BRIGADE_PROXY_ADMIN_TOKEN"  # the proxy's admin_token_env default
 
 MAX_FAILURES_IN_A_ROW = 50
+FINAL_VERSION_WAIT_S = 120.0  # a final load takes seconds; past this the proxy is stuck, and the run must end
 
 
 def dataset_extra(row: dict[str, Any]) -> dict[str, str | int | float]:
@@ -68,7 +67,7 @@ class Worker:
         self.sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
         worker_id = settings.worker_id or events.default_writer("rollout")
         self.ev = QueuedEvents(store, "rollout", writer=f"{worker_id}-events")  # appended off the event loop
-        self.adapters = AdapterSync(store, manifest, client, self.ev)
+        self.adapters = LiveAdapter(client, manifest)
         self.generator = Generator(
             client, manifest.base_model, self.sampling, settings.max_completion_length, settings.generation_shape
         )
@@ -125,10 +124,11 @@ class Worker:
 
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
         """All `num_generations` completions of one prompt, with one adapter version, scored."""
-        with self.adapters.generating() as version:
-            text, ids = await self.generator.prompt_ids(row)
-            model = self.adapters.model_name(version)
-            samples = await self.generator.completions(model, ids, self.manifest.num_generations)
+        # The newest version the proxy serves; the proxy keeps it loaded while this group's requests name it.
+        model = self.adapters.model_name(self.adapters.version)
+        text, ids = await self.generator.prompt_ids(row)
+        samples = await self.generator.completions(model, ids, self.manifest.num_generations)
+        version = self.adapters.version_of(model)  # every answer said this model served it (generation.py)
         prompt = row["prompt"]
         scored = await self.scorer.score(
             [as_completion(prompt, s.text) for s in samples], prompt, [s.completion_ids for s in samples], row
@@ -183,7 +183,7 @@ class Worker:
             await asyncio.to_thread(self.output.read_trainer_cursor)
         except Exception as exc:  # noqa: BLE001 - e.g. EIO from a FUSE mount mid-rewrite: read again next poll
             log.warning("reading trainer/progress.json failed (%s: %s); retrying", type(exc).__name__, exc)
-        await self.adapters.sync()
+        await self.adapters.start()  # the first poll: then a task of its own reads the proxy every 50 ms
         self.next_poll = time.monotonic() + self.rc.poll_s
 
     def _start_groups(self) -> None:
@@ -217,9 +217,9 @@ class Worker:
     async def _evaluate(self, version: int) -> None:
         assert self.evaluator is not None
         self.evaluated.add(version)
-        with self.adapters.holding(version):  # not unloaded while it is evaluated
-            model = self.adapters.model_name(version)
-            await self.evaluator.run(self.ev, version, model, self.rc.eval_timeout_s or None)
+        # The proxy keeps the version loaded while the evaluation's requests name it.
+        model = self.adapters.model_name(version)
+        await self.evaluator.run(self.ev, version, model, self.rc.eval_timeout_s or None)
 
     async def _final_evaluation(self) -> None:
         """At the end of the run: the newest version (the trainer's final one) is evaluated before the worker exits,
@@ -228,13 +228,28 @@ class Worker:
             return
         for task in self.tasks:  # the trainer is done: rollouts still in flight would only slow the evaluation
             task.cancel()
-        await self.adapters.sync(wait=True)
+        await self._await_final_version()
         if self.eval_task is not None:
             # shielded: a stop signal lands in run()'s `finally`, which cuts the evaluation and records it
             await asyncio.shield(self.eval_task)
         if self.adapters.version not in self.evaluated:
             self.eval_task = asyncio.create_task(self._evaluate(self.adapters.version))
             await asyncio.shield(self.eval_task)
+
+    async def _await_final_version(self) -> None:
+        """The trainer's final version is the one to evaluate: wait (bounded) until the proxy serves it."""
+        try:
+            latest = await asyncio.to_thread(adapters.latest_version, self.store)
+        except Exception as exc:  # noqa: BLE001 - the evaluation then takes the newest version served
+            log.warning("could not read adapters/LATEST.json (%s: %s)", type(exc).__name__, exc)
+            return
+        if latest is not None and not await self.adapters.wait_for(latest, FINAL_VERSION_WAIT_S):
+            log.warning(
+                "the proxy did not serve the final version %s within %.0fs; evaluating %s instead",
+                latest.folder,
+                FINAL_VERSION_WAIT_S,
+                self.adapters.version.folder,
+            )
 
     async def _pause(self) -> None:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not
@@ -346,13 +361,11 @@ async def wait_for_proxy(client: httpx.AsyncClient, url: str, timeout_s: float) 
 async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     store = open_bucket(bucket)
     manifest = wait_and_check(store, spec, "rollout worker", bucket.manifest_wait_s)
-    # One connection per completion in flight, plus a few for tokenising and adapter loads.
+    # One connection per completion in flight, plus a few for tokenising and reading the live versions. No admin
+    # token: the worker never loads or unloads (the proxy decides what its replicas hold).
     limits = httpx.Limits(max_connections=settings.max_inflight_groups * manifest.num_generations + 8)
-    # The proxy's admin endpoints (adapter loads and unloads) need its token when it has one: the same variable.
-    token = os.environ.get(PROXY_TOKEN_ENV, "")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(
-        base_url=settings.proxy_url, timeout=settings.request_timeout_s, limits=limits, headers=headers
+        base_url=settings.proxy_url, timeout=settings.request_timeout_s, limits=limits
     ) as client:
         await wait_for_proxy(client, settings.proxy_url, bucket.manifest_wait_s)
         worker = Worker(settings, store, manifest, client)

@@ -1,67 +1,48 @@
-"""Shared fixtures: a real S3 API server on loopback, buckets of both kinds.
+"""Session-wide fixtures: a real S3 API server on loopback, buckets of both kinds, the model, vLLM replicas, a run.
 
-Slow real parts (the model folder, vLLM replicas) are session-scoped: they
-start once per test session, and every process a fixture starts is stopped
-when the session ends.
+tests/ mirrors the code (bucket/, proxy/, replica/, rollout_worker/, trainer/, infra/) plus e2e/ for whole
+runs. Fixtures that tests of several folders use live here; one that only one folder's tests share belongs in
+that folder's conftest.py (none does yet); plain helpers are in tests/helpers.py. Slow real parts (the model
+folder, vLLM replicas, the shared `brigade local` run) are session-scoped: they start once per test session,
+and every process a fixture starts is stopped when the session ends.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-import uuid
 
-import httpx
 import pytest
 
-from bucket import Store, adapters
-from bucket.manifest import RunSpec
-from jobkit.cpu import cpu_class
+from bucket import Store
+from bucket.manifest import RunSpec, init_or_check
+from tests.helpers import (
+    LOCAL_RUN_STALENESS,
+    LOCAL_RUN_STEPS,
+    LOCAL_RUN_SYNC,
+    brigade_local,
+    free_port,
+    new_s3_bucket,
+    start_replica,
+    stop,
+    wait_http,
+)
 
-# Machines of this kind come with an AVX-512 CPU or an AVX2-only one about 4x slower for vLLM and the trainer
-# (issue 17); ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 make jobkit.cpu report the slow kind here too.
-SLOW = 4.0 if cpu_class() == "avx2" else 1.0
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of the session-wide replicas (`vllm_replicas`) runs after all the others, in their own order.
 
-def host_timeout(seconds: float) -> float:
-    """A bound on real work (vLLM start-up, generation, training) tuned on the fast CPU, stretched by SLOW.
-
-    For bounds close to what the work takes on the fast CPU; a bound that only catches a hang stays as it is.
+    Only one set of vLLM servers at a time on a 2-core machine: the tests that start their own (the chaos run,
+    the end-to-end runs, `brigade local` cut short, the replica sidecar's) run before the shared two come up,
+    and those stay up until the session ends. The sort is stable: the other tests keep the order of the tree.
     """
-    return seconds * SLOW
+    items.sort(key=lambda item: "vllm_replicas" in getattr(item, "fixturenames", ()))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process serving {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not up after {timeout_s}s")
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+# -- buckets ------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -96,28 +77,35 @@ def s3_endpoint():
                 os.environ[k] = v
 
 
-def new_s3_bucket(endpoint: str) -> str:
-    name = f"brigade-test-{uuid.uuid4().hex[:10]}"
-    Store(f"s3://{name}").fs.mkdir(name)
-    return f"s3://{name}/run"
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path) -> Store:
-    """The same contract tests run against a local folder and a real S3 API."""
-    if request.param == "local":
-        s = Store(str(tmp_path / "bucket"))
-        s.check_reachable(create=True)
-        return s
-    endpoint = request.getfixturevalue("s3_endpoint")
-    s = Store(new_s3_bucket(endpoint))
+@pytest.fixture
+def local_store(tmp_path) -> Store:
+    """A fresh, empty local-folder bucket: tmp_path / "bucket"."""
+    s = Store(str(tmp_path / "bucket"))
     s.check_reachable(create=True)
     return s
 
 
-# -- the real model and real vLLM replicas ----------------------------------------------------------
+@pytest.fixture
+def s3_store(s3_endpoint) -> Store:
+    """A fresh, empty bucket on the loopback S3 server."""
+    s = Store(new_s3_bucket(s3_endpoint))
+    s.check_reachable(create=True)
+    return s
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+@pytest.fixture(params=["local", "s3"])
+def store(request) -> Store:
+    """The same contract tests run against a local folder and a real S3 API."""
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+@pytest.fixture
+def run_store(local_store):
+    """A local-folder bucket holding a run (the default RunSpec, made by "test"): (its Store, its manifest)."""
+    return local_store, init_or_check(local_store, RunSpec(), "test")
+
+
+# -- the real model and real vLLM replicas ----------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -140,49 +128,6 @@ def _log_tail(path: str, lines: int = 40) -> str:
         return ""
 
 
-def start_replica(
-    bucket_url: str,
-    model_dir: str,
-    port: int,
-    replica_id: str,
-    cpu_threads: str,
-    log_dir: str,
-    *extra: str,
-    env: dict[str, str] | None = None,
-) -> tuple[subprocess.Popen, str]:
-    """`brigade replica` as its own process (the code path a deployment uses); returns it and its log path."""
-    os.makedirs(log_dir, exist_ok=True)
-    log_path = os.path.join(log_dir, f"sidecar-{replica_id}.log")
-    cmd = [
-        sys.executable,
-        "-m",
-        "infra.cli",
-        "replica",
-        "--bucket",
-        bucket_url,
-        "--replica.model-path",
-        model_dir,
-        "--replica.port",
-        str(port),
-        "--replica.replica-id",
-        replica_id,
-        "--replica.cpu-threads",
-        cpu_threads,
-        "--replica.log-dir",
-        log_dir,
-        "--replica.heartbeat-s",
-        "1",
-        "--replica.kv-cache-gib",
-        "1",
-        *extra,
-    ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    return proc, log_path
-
-
 @pytest.fixture(scope="session")
 def vllm_replicas(tmp_path_factory, model_dir):
     """Two real vLLM replicas behind `brigade replica` sidecars, registered in a local-folder bucket.
@@ -190,10 +135,10 @@ def vllm_replicas(tmp_path_factory, model_dir):
     Started once per session (about a minute on CPU), each pinned to its own
     core; yields (store, [ReplicaInfo, ReplicaInfo], manifest). The sidecars
     are stopped with SIGTERM at the end, which deregisters them and stops
-    their vLLM process trees.
+    their vLLM process trees. The tests that use it run last (see
+    pytest_collection_modifyitems above).
     """
     from bucket import replicas
-    from bucket.manifest import init_or_check
 
     root = tmp_path_factory.mktemp("replicas")
     store = Store(str(root / "bucket"))
@@ -237,19 +182,11 @@ def vllm_replicas(tmp_path_factory, model_dir):
 
 # -- the shared end-to-end run ----------------------------------------------------------------------
 
-LOCAL_RUN_STEPS, LOCAL_RUN_SYNC, LOCAL_RUN_STALENESS = 6, 2, 2
-
-
-def brigade_local(bucket: str, model_dir: str, *flags: str) -> list[str]:
-    """The command line of `brigade local` on `bucket`, every job on the test model, then `flags`."""
-    head = [sys.executable, "-m", "infra.cli", "local", "--bucket", str(bucket)]
-    return [*head, "--trainer.model-path", model_dir, "--replica.model-path", model_dir, *flags]
-
 
 @pytest.fixture(scope="session")
 def local_run(tmp_path_factory, model_dir):
     """One real `brigade local` run per test session, shared by every test that reads a finished run's
-    bucket (tests/test_e2e_local.py, tests/test_dashboard.py); yields (the CompletedProcess, its Store)."""
+    bucket (tests/e2e/test_e2e_local.py, tests/infra/test_dashboard.py); yields (the CompletedProcess, its Store)."""
     run_dir = tmp_path_factory.mktemp("local")
     bucket = run_dir / "bucket"
     proxy_port = free_port()
@@ -289,27 +226,3 @@ def local_run(tmp_path_factory, model_dir):
     )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     return proc, Store(str(bucket))
-
-
-def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str, bytes]:
-    """A real rank-1 peft adapter on the model, with B non-zero so that it changes what the model says."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    spec = RunSpec()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(
-        model,
-        LoraConfig(
-            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules, lora_dropout=0.0
-        ),
-    )
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(out_dir)
-    return {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}

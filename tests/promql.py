@@ -1,6 +1,6 @@
 """The metric names infra/monitoring's alert rules and Grafana panels query, and those a /metrics text exposes.
 
-Shared by tests/test_monitoring.py (the proxy's names, the rule file) and each job's own test, which scrapes
+Shared by tests/infra/test_monitoring.py (the proxy's names, the rule file) and each job's own test, which scrapes
 that job's /metrics during a real run and checks every name the monitoring files give its prefix.
 """
 

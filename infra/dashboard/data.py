@@ -4,7 +4,7 @@ Each refresh reads only what is new: events and shards after their per-writer cu
 logs), checkpoints not yet seen, plus a few small objects (the replica registry, LATEST pointers,
 DONE). The figures that `brigade summary` prints are computed here with its definitions
 (`summary()`), from data read once instead of the whole bucket at every refresh;
-tests/test_dashboard.py checks that both agree on a real run.
+tests/infra/test_dashboard.py checks that both agree on a real run.
 """
 
 from __future__ import annotations

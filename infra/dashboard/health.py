@@ -6,8 +6,8 @@ the replica or the stage at fault. Which version "should be loaded":
 
 * a live run: the newest published version, or the one before it while the newest is younger than
   `grace_s` on this dashboard's clock (a load takes a moment; the banner must not blink at every publish);
-* a finished run (trainer/DONE.json): the newest version the rollout side asked for (adapter_detected):
-  the version published at the last step is never needed, so nobody loads it.
+* a finished run (trainer/DONE.json): the newest version the proxy detected (adapter_detected): one
+  published as the run ended may never be loaded, since the proxy may stop first.
 
 Live replicas are the registered ones whose heartbeat counter moved within the replica timeout, on
 this process's clock; with none live (a finished run), "loaded on every replica" is the proxy's
@@ -65,7 +65,7 @@ def _missing_on(v: VersionSync, replica: str) -> str:
     if load is not None and load.probe_failed:
         return f"{name} on {replica} failed its canary probe: {load.probe_failed}"
     if "detected" not in v.at:
-        return f"{name} is not loaded on {replica}: the rollout worker has not detected it (stage committed → detected)"
+        return f"{name} is not loaded on {replica}: the proxy has not detected it (stage committed → detected)"
     if "fanout_started" not in v.at:
         return f"{name} is not loaded on {replica}: the proxy has not started loading it (stage detected → fan-out)"
     reached = ", ".join(v.replicas_loaded) or "no replica"

@@ -20,7 +20,7 @@ from infra.launch.config import CONFIG_PATH, Deployment, Gpus
 
 HERE = Path(__file__).parent
 
-# The GPU flavors of `hf jobs hardware` (huggingface_hub.JobHardware; tests/test_launch.py checks they exist).
+# The GPU flavors of `hf jobs hardware` (huggingface_hub.JobHardware; tests/infra/test_launch.py checks they exist).
 HF_FLAVORS = (  # noqa: SIM905 (three lines read better than 22)
     "t4-small t4-medium l4x1 l4x4 l40sx1 l40sx4 l40sx8 a10g-small a10g-large a10g-largex2 a10g-largex4 "
     "a100-large a100x4 a100x8 h200 h200x2 h200x4 h200x8 rtx-pro-6000 rtx-pro-6000x2 rtx-pro-6000x4 rtx-pro-6000x8"

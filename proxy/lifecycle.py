@@ -1,0 +1,168 @@
+"""Which of the run's adapter versions the replicas hold: decided here, and nowhere else.
+
+The proxy sees every commit (adapters/LATEST.json, one small read every
+`watch_s`) and every request, so it alone decides what the replicas hold:
+
+* each newly committed version is loaded on every admitted replica, all or
+  nothing and probed (fanout.py), as soon as every replica has it on disk;
+* the newest `max_staleness + 1` versions stay loaded: the window rollouts
+  may be generated with (the trainer drops older ones anyway);
+* an older version is unloaded once no request through the proxy has used
+  it for `unload_idle_s`: a group or an evaluation still generating with it
+  keeps it, however far the window has moved.
+
+Rollout workers only read what is live (`GET /live_adapters`) and generate
+with the newest; they never load or unload, so any number of them share one
+proxy without coordinating. Clients that load their own adapters through
+`/v1/load_lora_adapter` (TRL) keep doing so: versions they imported, and
+names outside this run's, are theirs to unload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from bucket import adapters, events
+from bucket.canary import read_canary
+from bucket.version import Version
+from proxy.adapter_import import MARKER_FIELD
+from proxy.event_writer import EventWriter
+from proxy.fanout import AdapterFanout
+from proxy.lora_paths import AdapterRef
+from proxy.state import ProxyState
+
+log = logging.getLogger("brigade.proxy")
+
+RETRY_FAILED_S = 1.0  # a version that failed to load is tried again after this long, not at every poll
+
+
+class AdapterLifecycle:
+    """Loads each committed version of the run, keeps the live window, unloads what nothing uses any more."""
+
+    def __init__(self, state: ProxyState, fanout: AdapterFanout, events: EventWriter) -> None:
+        self.state, self.fanout, self.events = state, fanout, events
+        self.latest: Version | None = None  # the newest committed version seen in the bucket
+        self.loading: Version | None = None
+        self.failed_loads = 0
+        self._retry_at = 0.0
+        self._not_ours: set[Version] = set()  # versions a client imported (it loads and unloads them itself)
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def enabled(self) -> bool:
+        return self.state.manifest is not None and self.state.config.watch_adapters
+
+    def run_versions(self) -> dict[Version, AdapterRef]:
+        """This run's versions loaded on every routable replica, under the run's own names."""
+        manifest = self.state.manifest
+        if manifest is None:
+            return {}
+        return {
+            ad.version: ad for ad in self.state.loaded.values() if ad.lora_name == ad.version.lora_name(manifest.run_id)
+        }
+
+    def newest(self) -> Version | None:
+        return max(self.run_versions(), default=None)
+
+    def live(self) -> dict[str, Any]:
+        """What `GET /live_adapters` answers: the live versions, the newest first among them."""
+        live = self.run_versions()
+        newest = max(live, default=None)
+        return {
+            "run_id": self.state.manifest.run_id if self.state.manifest else None,
+            "newest": int(newest) if newest is not None else None,
+            "lora_name": live[newest].lora_name if newest is not None else None,
+            "versions": sorted(int(v) for v in live),
+            "lora_names": {str(int(v)): ad.lora_name for v, ad in sorted(live.items())},
+            "latest_committed": int(self.latest) if self.latest is not None else None,
+            "loading": int(self.loading) if self.loading is not None else None,
+            "managed": self.enabled,
+        }
+
+    async def start(self) -> None:
+        if self.enabled and self._task is None:
+            self._task = asyncio.create_task(self._watch(), name="adapter-lifecycle")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def poke(self) -> None:
+        """Look again now (a replica joined, a request ended): an unload may have become possible."""
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception as exc:  # noqa: BLE001 - a bucket hiccup: the next poll reads again
+                log.warning("adapter lifecycle: %s: %s (retrying)", type(exc).__name__, exc)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.state.config.watch_s)
+            except TimeoutError:
+                pass
+
+    async def step(self) -> None:
+        """One look: load the newest committed version if it is new, then unload what left the window unused."""
+        latest = await asyncio.to_thread(adapters.latest_version, self.state.store)
+        if latest is not None:
+            self.latest = Version(latest)
+        newest = self.newest()
+        if (
+            self.latest is not None
+            and (newest is None or self.latest > newest)
+            and self.latest not in self._not_ours
+            and time.monotonic() >= self._retry_at
+            and self.state.routable
+        ):
+            await self._load(self.latest)
+        await self._unload_stale()
+
+    async def _load(self, version: Version) -> None:
+        manifest = self.state.manifest
+        assert manifest is not None
+        marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
+        if marker is None:  # LATEST moves only after a commit: a read racing a rewrite; read again
+            return
+        if MARKER_FIELD in marker:
+            self._not_ours.add(version)
+            return
+        ad = AdapterRef(version.lora_name(manifest.run_id), version, read_canary(marker))
+        await self.events.emit(events.DETECTED, version=int(version), lora_name=ad.lora_name)
+        self.loading = version
+        try:
+            resp = await self.fanout.load_ref(ad, time.monotonic(), time.time())
+        finally:
+            self.loading = None
+        if resp.status_code != 200:
+            self.failed_loads += 1
+            self._retry_at = time.monotonic() + RETRY_FAILED_S
+            log.warning(
+                "could not load %s (HTTP %d); trying again in %.0fs", ad.lora_name, resp.status_code, RETRY_FAILED_S
+            )
+
+    async def _unload_stale(self) -> None:
+        manifest = self.state.manifest
+        assert manifest is not None
+        live = self.run_versions()
+        if not live:
+            return
+        low = max(live) - manifest.max_staleness
+        idle_s = self.state.config.unload_idle_s
+        for version, ad in sorted(live.items()):
+            if version >= low:
+                break
+            if self.state.idle_for(ad.lora_name) < idle_s:
+                continue  # a group or an evaluation still generates with it
+            resp = await self.fanout.unload(ad.lora_name)
+            if resp.status_code != 200:
+                log.warning(
+                    "unloading %s failed (HTTP %d); trying again at the next look", ad.lora_name, resp.status_code
+                )

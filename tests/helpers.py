@@ -1,0 +1,181 @@
+"""Helpers the tests of several folders share: ports, waits, processes, buckets, adapters, the proxy.
+
+Plain functions, imported as `from tests.helpers import ...`; the fixtures built on them are in
+tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from bucket import Store, adapters
+from bucket.manifest import RunSpec
+from jobkit.cpu import cpu_class
+
+if TYPE_CHECKING:
+    from proxy.app import Proxy
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Machines of this kind come with an AVX-512 CPU or an AVX2-only one about 4x slower for vLLM and the trainer
+# (issue 17); ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 make jobkit.cpu report the slow kind here too.
+SLOW = 4.0 if cpu_class() == "avx2" else 1.0
+
+
+def host_timeout(seconds: float) -> float:
+    """A bound on real work (vLLM start-up, generation, training) tuned on the fast CPU, stretched by SLOW.
+
+    For bounds close to what the work takes on the fast CPU; a bound that only catches a hang stays as it is.
+    """
+    return seconds * SLOW
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process serving {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not up after {timeout_s}s")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def new_s3_bucket(endpoint: str) -> str:
+    """A fresh bucket on the S3 server at `endpoint` (the `s3_endpoint` fixture); returns its run's URL."""
+    name = f"brigade-test-{uuid.uuid4().hex[:10]}"
+    Store(f"s3://{name}").fs.mkdir(name)
+    return f"s3://{name}/run"
+
+
+# -- real vLLM replicas and real runs ---------------------------------------------------------------
+
+
+def start_replica(
+    bucket_url: str,
+    model_dir: str,
+    port: int,
+    replica_id: str,
+    cpu_threads: str,
+    log_dir: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """`brigade replica` as its own process (the code path a deployment uses); returns it and its log path."""
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"sidecar-{replica_id}.log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "replica",
+        "--bucket",
+        bucket_url,
+        "--replica.model-path",
+        model_dir,
+        "--replica.port",
+        str(port),
+        "--replica.replica-id",
+        replica_id,
+        "--replica.cpu-threads",
+        cpu_threads,
+        "--replica.log-dir",
+        log_dir,
+        "--replica.heartbeat-s",
+        "1",
+        "--replica.kv-cache-gib",
+        "1",
+        *extra,
+    ]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    return proc, log_path
+
+
+LOCAL_RUN_STEPS, LOCAL_RUN_SYNC, LOCAL_RUN_STALENESS = 6, 2, 2  # the shared `local_run` (tests/conftest.py)
+
+
+def brigade_local(bucket: str, model_dir: str, *flags: str) -> list[str]:
+    """The command line of `brigade local` on `bucket`, every job on the test model, then `flags`."""
+    head = [sys.executable, "-m", "infra.cli", "local", "--bucket", str(bucket)]
+    return [*head, "--trainer.model-path", model_dir, "--replica.model-path", model_dir, *flags]
+
+
+def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str, bytes]:
+    """A real rank-1 peft adapter on the model, with B non-zero so that it changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    spec = RunSpec()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules, lora_dropout=0.0
+        ),
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    peft_model.save_pretrained(out_dir)
+    return {name: open(os.path.join(out_dir, name), "rb").read() for name in adapters.ADAPTER_FILES}
+
+
+@asynccontextmanager
+async def proxied(
+    store: Store, manifest: Any, watch_adapters: bool = False
+) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient]]:
+    """A proxy in this process in front of the two replicas of `vllm_replicas`, once both have joined;
+    yields (the Proxy, a client of its app). Its own adapter lifecycle is off unless `watch_adapters`: the
+    tests load and unload by hand, and the session's bucket holds versions other tests published."""
+    from proxy.app import Proxy, create_app
+    from proxy.config import ProxyConfig
+
+    proxy = Proxy(ProxyConfig(refresh_s=0.5, load_retry_s=30, watch_adapters=watch_adapters), store, manifest)
+    app = create_app(proxy)
+    async with app.router.lifespan_context(app):
+        for _ in range(60):  # both registered replicas join (they heartbeat every second)
+            if len(proxy.routable) == 2:
+                break
+            await asyncio.sleep(0.5)
+        assert len(proxy.routable) == 2, proxy.health()
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=300
+        ) as client:
+            yield proxy, client

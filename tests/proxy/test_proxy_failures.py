@@ -1,0 +1,619 @@
+"""The proxy's own HTTP server and failure handling: bad bodies, replicas that die, auth.
+
+Most tests here run the production hot path for real (httpserver.py + pool.py
+over loopback sockets) against small raw-socket upstreams that misbehave on
+cue: a real vLLM cannot be told to drop a connection right after reading a
+request, or to break off a stream after two events. One test kills a real
+vLLM replica (its own, started for it) in the middle of rollout traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httptools
+import httpx
+import psutil
+import pytest
+
+from bucket import events
+from bucket.manifest import RunSpec
+from bucket.rollouts import SamplingParams
+from bucket.store import Store
+from bucket.version import Version
+from proxy.app import Proxy, create_app
+from proxy.config import ProxyConfig
+from proxy.httpserver import HttpServer
+from rollout_worker.generation import Generator
+from tests.helpers import free_port, start_replica
+
+ANSWER = json.dumps({"choices": [{"text": "ok", "token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}]}).encode()
+
+
+class RawUpstream(asyncio.Protocol):
+    """A loopback "replica" whose behaviour for generations is `mode`: ok, drop (close right after reading the
+    request), stream_break (two SSE events, then a reset), hang_health (never answers /health), slow_health (answers
+    /health after `health_delay_s`, generations at once)."""
+
+    def __init__(self, server: RawServer) -> None:
+        self.server = server
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url = url
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.closed += 1
+
+    def on_message_complete(self) -> None:
+        mode, srv = self.server.mode, self.server
+        if self.url.startswith(b"/health"):
+            if mode == "hang_health":
+                return
+            ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+            if mode == "slow_health":  # a saturated vLLM: /health waits behind the batch, generations still answer
+                asyncio.get_running_loop().call_later(srv.health_delay_s, self.transport.write, ok)
+                return
+            self.transport.write(ok)
+            return
+        if not self.url.startswith(b"/v1/completions"):
+            self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\n{}")
+            return
+        srv.generations += 1
+        if mode == "drop":
+            self.transport.close()
+        elif mode == "slow_stream":  # one event, then nothing until the client leaves
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                b'10\r\ndata: {"a": 1}\n\n\r\n'
+            )
+        elif mode == "stream_break":
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                b'10\r\ndata: {"a": 1}\n\n\r\n10\r\ndata: {"b": 2}\n\n\r\n'
+            )
+            asyncio.get_running_loop().call_later(0.05, self.transport.abort)
+        else:
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(ANSWER)
+                + ANSWER
+            )
+
+
+class RawServer:
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+        self.generations = 0
+        self.health_delay_s = 1.5
+        self.closed = 0  # connections that ended
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> RawServer:
+        self.server = await asyncio.get_running_loop().create_server(lambda: RawUpstream(self), "127.0.0.1", self.port)
+        return self
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@asynccontextmanager
+async def served(proxy: Proxy) -> AsyncIterator[str]:
+    """The proxy behind its own HTTP server (the production hot path) on a loopback port."""
+    app = create_app(proxy)
+    async with app.router.lifespan_context(app):
+        server = HttpServer(app, proxy.forwarder)
+        await server.start("127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{server.sockname[1]}"
+        finally:
+            await server.stop(grace_s=1)
+
+
+def completion(i: int = 0, **kw: Any) -> dict[str, Any]:
+    return {"model": "base", "prompt": list(range(1000 + i, 1040 + i)), "max_tokens": 4, **kw}
+
+
+def test_bad_bodies_get_400_naming_the_problem_and_the_proxy_keeps_serving(run_store):
+    store, manifest = run_store
+
+    async def body():
+        up = await RawServer().start()
+        proxy = Proxy(ProxyConfig(replica_urls=[up.url]), store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            cases = [
+                (b"{not json", "not JSON"),
+                (b"[1, 2]", "JSON object"),
+                (json.dumps({"prompt": [1, 2]}).encode(), "model"),
+                (json.dumps({"model": "base"}).encode(), "prompt"),
+                (json.dumps({"model": "base", "messages": ["hi"]}).encode(), "messages"),
+            ]
+            for raw, words in cases:
+                resp = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+                assert resp.status_code == 400, (raw, resp.text)
+                assert words in resp.json()["error"]["message"], (raw, resp.text)
+            resp = await client.post("/v1/completions", json=completion())
+            assert resp.status_code == 200 and resp.json() == json.loads(ANSWER)
+            assert resp.headers["x-brigade-replica"] == up.url
+            # Malformed HTTP itself: the connection is refused with 400, other connections carry on.
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            writer.write(b"BLAH\x00 / HTTP/9\r\n\r\n")
+            assert (await reader.read(100)).startswith(b"HTTP/1.1 400")
+            writer.close()
+            assert (await client.post("/v1/completions", json=completion(1))).status_code == 200
+        up.close()
+        assert up.generations == 2  # no bad body ever reached the replica
+
+    asyncio.run(body())
+
+
+def test_a_replica_that_drops_requests_is_ejected_and_they_are_retried_elsewhere(run_store):
+    store, manifest = run_store
+
+    async def body():
+        bad, good = await RawServer("drop").start(), await RawServer().start()
+        cfg = ProxyConfig(replica_urls=[bad.url, good.url], refresh_s=0.1)
+        proxy = Proxy(cfg, store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=completion(i)) for i in range(16)))
+            assert [a.status_code for a in answers] == [200] * 16
+            assert {a.headers["x-brigade-replica"] for a in answers} == {good.url}
+            assert bad.url in proxy.membership.ejected and list(proxy.routable) == [good.url]
+            assert proxy.forwarder.retries["reset_before_answer"] >= 1
+            # It comes back once it behaves: /health answers, so it is re-admitted, and gets new groups again.
+            bad.mode = "ok"
+            deadline = time.monotonic() + 5
+            while bad.url not in proxy.routable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            served_by = set()
+            for i in range(100, 108):
+                served_by.add((await client.post("/v1/completions", json=completion(i))).headers["x-brigade-replica"])
+            assert served_by == {bad.url, good.url}
+        bad.close()
+        good.close()
+
+    asyncio.run(body())
+    kinds = [e["kind"] for e in events.read_all(store)]
+    assert events.REPLICA_EJECTED in kinds and events.REPLICA_READMITTED in kinds
+
+
+def test_a_replica_whose_health_hangs_is_ejected_within_a_second(run_store):
+    store, manifest = run_store
+
+    async def body():
+        slow, good = await RawServer().start(), await RawServer().start()
+        cfg = ProxyConfig(replica_urls=[slow.url, good.url], refresh_s=0.1, probe_interval_s=0.25, probe_timeout_s=0.5)
+        proxy = Proxy(cfg, store, manifest, static_adapter_root="/a")
+        async with served(proxy):
+            assert len(proxy.routable) == 2
+            slow.mode = "hang_health"
+            t0 = time.monotonic()
+            while slow.url in proxy.routable:
+                await asyncio.sleep(0.01)
+            took = time.monotonic() - t0
+            assert took <= 1.0, took
+            assert "did not answer" in proxy.membership.ejected[slow.url]
+        slow.close()
+        good.close()
+
+    asyncio.run(body())
+
+
+def test_a_busy_replica_whose_health_is_slow_is_not_ejected(run_store):
+    """A saturated replica answers /health late (here 1.5 s, beyond the 0.5 s floor) while it keeps answering
+    generations: it is busy, not dead. It stays routable through traffic and after it (its /health timeout has
+    followed its latency), while one that stops answering /health altogether is still ejected within a second.
+    Loopback fakes: no real vLLM can be made to delay /health alone, on demand."""
+    store, manifest = run_store
+
+    async def body():
+        busy, good = await RawServer().start(), await RawServer().start()
+        cfg = ProxyConfig(
+            replica_urls=[busy.url, good.url], refresh_s=0.1, probe_interval_s=0.25, probe_timeout_s=0.5, busy_grace_s=2
+        )
+        proxy = Proxy(cfg, store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            assert len(proxy.routable) == 2
+            busy.mode = "slow_health"
+            end = time.monotonic() + 4
+            i = 0
+            while time.monotonic() < end:  # traffic on both replicas (new prompts spread by load)
+                answers = await asyncio.gather(
+                    *(client.post("/v1/completions", json=completion(i + j)) for j in range(4))
+                )
+                assert [a.status_code for a in answers] == [200] * 4
+                assert busy.url in proxy.routable, proxy.membership.ejected
+                i += 4
+                await asyncio.sleep(0.1)
+            assert proxy.membership.busy_health_timeouts.get(busy.url, 0) >= 1  # it did run out of time, busy
+            assert proxy.membership.health_timeout(busy.url) >= busy.health_delay_s  # and its timeout followed
+            await asyncio.sleep(3)  # idle past busy_grace_s: /health answers within the timeout it has learnt
+            assert busy.url in proxy.routable, proxy.membership.ejected
+            good.mode = "hang_health"  # idle and silent: dead as far as anyone can tell
+            t0 = time.monotonic()
+            while good.url in proxy.routable:
+                await asyncio.sleep(0.01)
+            assert time.monotonic() - t0 <= 1.5
+        busy.close()
+        good.close()
+
+    asyncio.run(body())
+
+
+def test_a_stream_broken_mid_way_ends_with_a_clear_error(run_store):
+    store, manifest = run_store
+
+    async def body():
+        up = await RawServer("stream_break").start()
+        proxy = Proxy(ProxyConfig(replica_urls=[up.url]), store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            got = b""
+            with pytest.raises(httpx.RemoteProtocolError):  # no terminating chunk: no client takes it as whole
+                async with client.stream("POST", "/v1/completions", json=completion(stream=True)) as resp:
+                    assert resp.status_code == 200
+                    async for chunk in resp.aiter_raw():
+                        got += chunk
+            assert got.startswith(b'data: {"a": 1}\n\ndata: {"b": 2}\n\n')
+            assert b"broke off its answer mid-stream" in got
+            assert proxy.router.inflight_all() == {up.url: 0}
+            assert proxy.forwarder.broken_answers == 1
+        up.close()
+
+    asyncio.run(body())
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot_and_the_replica(run_store):
+    """The proxy drops the replica connection when its client goes, so vLLM stops generating for nobody."""
+    store, manifest = run_store
+
+    async def body():
+        up = await RawServer("slow_stream").start()
+        proxy = Proxy(ProxyConfig(replica_urls=[up.url]), store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url:
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps(completion(stream=True)).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: p\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+            assert b"data:" in await reader.readuntil(b"data: {")
+            assert proxy.router.inflight_all() == {up.url: 1}
+            closed_before = up.closed
+            writer.close()
+            deadline = time.monotonic() + 5
+            while proxy.router.inflight_all() != {up.url: 0} or up.closed == closed_before:
+                assert time.monotonic() < deadline, (proxy.router.inflight_all(), up.closed)
+                await asyncio.sleep(0.02)
+        up.close()
+
+    asyncio.run(body())
+
+
+def test_the_rollout_worker_retries_a_failed_request_instead_of_losing_the_group(monkeypatch):
+    """A 502/503 or no answer is sent again (with back-off); a 4xx fails at once."""
+    import rollout_worker.generation as generation
+
+    monkeypatch.setattr(generation, "RETRY_FIRST_S", 0.01)
+    answers = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answers["n"] += 1
+        if answers["n"] == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if answers["n"] in (2, 3):
+            return httpx.Response(502 if answers["n"] == 2 else 503, json={"error": {"message": "replica died"}})
+        return httpx.Response(200, content=ANSWER, headers={"x-brigade-replica": "r1"})
+
+    async def body():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://p") as client:
+            gen = Generator(client, "base", SamplingParams(temperature=1.0), max_completion_length=4)
+            (sample,) = await gen.completions("base", [1, 2, 3], 1)
+            assert sample.replica == "r1" and answers["n"] == 4
+        bad = httpx.MockTransport(lambda r: httpx.Response(400, json={"error": {"message": "no such model"}}))
+        async with httpx.AsyncClient(transport=bad, base_url="http://p") as client:
+            gen = Generator(client, "base", SamplingParams(temperature=1.0), max_completion_length=4)
+            with pytest.raises(generation.GenerationFailed, match="400"):
+                await gen.completions("base", [1, 2, 3], 8)
+
+    asyncio.run(body())
+
+
+def test_streams_and_pipelined_keep_alive_requests(run_store):
+    """Fake replicas from test_proxy_fanout serve SSE over real sockets; several requests share one connection."""
+    import threading
+
+    import uvicorn
+
+    from tests.proxy.test_proxy_fanout import FakeReplica
+
+    store, manifest = run_store
+    fake = FakeReplica("r0")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    async def body():
+        proxy = Proxy(ProxyConfig(replica_urls=[f"http://127.0.0.1:{port}"]), store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            async with client.stream("POST", "/v1/completions", json=completion(stream=True)) as resp:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                text = "".join([c async for c in resp.aiter_text()])
+            assert text.count("data:") == 4 and text.endswith("data: [DONE]\n\n")
+            for i in range(5):  # one keep-alive connection, one request after another
+                resp = await client.post("/v1/completions", json=completion(i))
+                assert resp.status_code == 200 and resp.json()["served_by"] == "r0"
+            assert (await client.get("/v1/models")).json()["data"][0]["id"] == "base"
+            assert (await client.get("/health")).json()["status"] == "ok"
+
+    try:
+        asyncio.run(body())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+# -- auth --------------------------------------------------------------------------------------------
+
+
+def test_admin_endpoints_need_the_admin_token(run_store, monkeypatch):
+    from tests.proxy.test_proxy_fanout import FakeReplica, HostDispatch
+
+    store, manifest = run_store
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", "let-me-in")
+    fake = FakeReplica("r0")
+
+    async def body():
+        proxy = Proxy(
+            ProxyConfig(replica_urls=[fake.url]),
+            store,
+            manifest,
+            static_adapter_root="/a",
+            transport=HostDispatch({"r0": fake}),
+        )
+        app = create_app(proxy)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as client:
+                load = {"lora_name": "x", "lora_path": "adapters/v000001"}
+                for path, kw in [
+                    ("/v1/load_lora_adapter", {"json": load}),
+                    ("/v1/unload_lora_adapter", {"json": {"lora_name": "x"}}),
+                    ("/pause", {}),
+                    ("/resume", {}),
+                ]:
+                    resp = await client.post(path, **kw)
+                    assert resp.status_code == 401, (path, resp.text)
+                    assert "BRIGADE_PROXY_ADMIN_TOKEN" in resp.json()["error"]["message"]
+                    wrong = await client.post(path, headers={"authorization": "Bearer nope"}, **kw)
+                    assert wrong.status_code == 401
+                ok = {"authorization": "Bearer let-me-in"}
+                assert (await client.post("/v1/load_lora_adapter", json=load, headers=ok)).status_code == 409
+                assert (await client.post("/pause", headers=ok)).status_code == 200
+                assert (await client.post("/resume", headers=ok)).status_code == 200
+                # Generation and status need no token.
+                assert (await client.post("/v1/completions", json=completion())).status_code == 200
+                info = (await client.get("/server_info")).text
+                assert "let-me-in" not in info
+
+    asyncio.run(body())
+
+
+def test_without_an_admin_token_the_proxy_listens_on_loopback_only(run_store, monkeypatch, caplog):
+    import proxy.main as pm
+    from bucket.config import BucketConfig
+
+    store, _ = run_store
+    monkeypatch.delenv("BRIGADE_PROXY_ADMIN_TOKEN", raising=False)
+    seen = {}
+    monkeypatch.setattr(pm, "serve", lambda app, fwd, host, port: seen.setdefault("host", host) and 0)
+    settings = ProxyConfig(host="0.0.0.0", replica_urls=["http://127.0.0.1:9"])
+    with caplog.at_level("WARNING"):
+        pm.run(settings, RunSpec(), BucketConfig(url=store.url))
+    assert seen["host"] == "127.0.0.1"
+    assert "127.0.0.1 only" in caplog.text
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", "t")
+    seen.clear()
+    pm.run(settings, RunSpec(), BucketConfig(url=store.url))
+    assert seen["host"] == "0.0.0.0"
+
+
+# -- a real replica killed mid-traffic ------------------------------------------------------------------
+
+
+def _kill_tree(pid: int) -> None:
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(vllm_replicas, model_dir, tmp_path):
+    """Real replicas: the session's two, and one of this test's own that joins mid-run while a version (with
+    its canary) is live: it must hold that version, and pass its probe, before it gets traffic. Rollout groups
+    then flow through the proxy's real server and the rollout worker's Generator, and the third replica is
+    SIGKILLed (vLLM and its sidecar) while it has requests in flight: every group must complete with all its
+    samples, and the replica must be ejected within about a second of the kill (the bound by design is
+    probe_interval_s + probe_timeout_s = 1 s; on this shared 2-core machine the event loop's lag adds to it)."""
+    from bucket import adapters, layout
+    from bucket.canary import canary_meta
+    from tests.proxy.test_proxy_vllm import _adapter_and_canary
+
+    store, infos, manifest = vllm_replicas
+    version = adapters.next_version(store)
+    files, canary = _adapter_and_canary(model_dir, str(tmp_path / "adapter"), b_std=0.04, seed=3)
+    adapters.publish(store, version, files, meta=canary_meta(canary))
+    started: dict[str, Any] = {}
+
+    def start() -> None:
+        started["proc"] = start_replica(
+            store.url, model_dir, free_port(), "test-replica-doomed", "0", str(tmp_path / "logs")
+        )
+
+    try:
+        result = asyncio.run(_join_then_kill(store, manifest, version, start, started))
+    finally:
+        proc = started.get("proc", (None,))[0]
+        if proc is not None:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+            proc.wait(30)
+        try:
+            os.unlink(os.path.join(store.local_path(layout.REPLICAS), "test-replica-doomed.json"))
+        except OSError:
+            pass
+    groups, ejected_after_s, retries = result
+    assert len(groups) == 6 and all(len(g) == 8 for g in groups)
+    assert ejected_after_s <= 2.0, ejected_after_s
+    print("ejected", round(ejected_after_s, 3), "s after the kill; retries", retries)
+    # This test's version reached the joiner before its admission. Only this version's loads count: the proxy
+    # also adopts, and gives the joiner, any version an earlier test left on the session's replicas.
+    joined = [
+        e
+        for e in events.read_all(store)
+        if e.get("replica") == "test-replica-doomed"
+        and (e["kind"] == events.REPLICA_ADMITTED or (e["kind"] == events.LOADED and e.get("version") == version))
+    ]
+    assert [e["kind"] for e in joined] == [events.LOADED, events.REPLICA_ADMITTED], joined
+    assert joined[0]["late_join"]
+
+
+async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any, started: dict) -> tuple:
+    doomed = "test-replica-doomed"
+    name = manifest.lora_name(version)
+    proxy = Proxy(ProxyConfig(refresh_s=0.5, load_retry_s=30), store, manifest)
+    async with served(proxy) as url, httpx.AsyncClient(base_url=url, timeout=300) as client:
+        while len(proxy.routable) < 2:
+            await asyncio.sleep(0.2)
+        load = {"lora_name": name, "lora_path": Version(version).key}
+        resp = await client.post("/v1/load_lora_adapter", json=load)
+        assert resp.status_code == 200, resp.text
+        start()
+        proc, log_path = started["proc"]
+        deadline = time.monotonic() + 420
+        while doomed not in proxy.routable:
+            assert proc.poll() is None, open(log_path).read()[-3000:]
+            assert time.monotonic() < deadline, "the extra replica never joined"
+            await asyncio.sleep(0.2)
+        gen = Generator(client, manifest.base_model, SamplingParams(temperature=1.0), max_completion_length=48)
+        prompts = [[1, 9690, 198] + list(range(2000 + 97 * g, 2060 + 97 * g)) for g in range(6)]
+        tasks = [asyncio.create_task(gen.completions(name, p, 8)) for p in prompts]
+        while proxy.router.inflight(doomed) == 0:
+            assert not all(t.done() for t in tasks), "no request ever reached the extra replica"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # mid-generation
+        _kill_tree(proc.pid)
+        killed = time.monotonic()
+        while doomed in proxy.routable:
+            await asyncio.sleep(0.01)
+        ejected_after = time.monotonic() - killed
+        groups = await asyncio.gather(*tasks)
+        assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": name})).status_code == 200
+        return groups, ejected_after, dict(proxy.forwarder.retries)
+
+
+def test_routing_snapshots_go_to_the_bucket(run_store):
+    """A dashboard reads decisions and in-flight counts from the bucket alone."""
+    store, manifest = run_store
+
+    async def body():
+        up = await RawServer().start()
+        cfg = ProxyConfig(replica_urls=[up.url], snapshot_s=0.1)
+        proxy = Proxy(cfg, store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            for i in range(3):
+                assert (await client.post("/v1/completions", json=completion(i % 2))).status_code == 200
+            await asyncio.sleep(0.5)
+            metrics = (await client.get("/metrics")).text
+            assert 'brigade_proxy_routing_decisions_total{kind="new"} 2.0' in metrics
+            assert f'brigade_proxy_inflight_tokens{{replica="{up.url}"}} 0.0' in metrics
+        up.close()
+
+    asyncio.run(body())
+    snaps = [e for e in events.read_all(store) if e["kind"] == events.ROUTING_SNAPSHOT]
+    assert len(snaps) == 1, snaps  # one while there was traffic, none once idle
+    assert snaps[0]["decisions"] == {"prefix_hit": 1, "new": 2, "spill": 0}
+    assert snaps[0]["inflight_requests"] == {
+        snaps[0]["inflight_requests"] and next(iter(snaps[0]["inflight_requests"])): 0
+    }
+
+
+# -- TRL's client -------------------------------------------------------------------------------------
+
+
+def test_trls_client_pause_resume_and_server_info_without_dev_mode(run_store):
+    """TRL 1.16's async-GRPO VLLMClient against the proxy, in front of replicas that have no /pause or
+    /server_info (vLLM without dev mode: the raw upstreams answer 404). The proxy pauses itself; a failed load
+    or the pause lease ends a pause, so a client that never resumes cannot leave generation paused."""
+    pytest.importorskip("trl")
+    import trl.experimental.async_grpo.vllm_client as trl_client
+
+    from bucket.replicas import ReplicaInfo, register
+
+    store, manifest = run_store
+
+    async def body():
+        ups = [await RawServer().start(), await RawServer().start()]
+        for i, up in enumerate(ups):
+            info = ReplicaInfo(
+                replica_id=f"r{i}",
+                url=up.url,
+                adapter_root="/a",
+                base_model="base",
+                block_size=32,
+                max_loras=6,
+                started_at=1.0,
+            )
+            register(store, info)
+        proxy = Proxy(ProxyConfig(refresh_s=0.1, replica_timeout_s=60, pause_lease_s=1.0), store, manifest)
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
+            while len(proxy.routable) < 2:
+                await asyncio.sleep(0.05)
+            trl = trl_client.VLLMClient(url)
+            info = await asyncio.to_thread(trl.get_server_info)
+            assert info["lora_config"]["max_loras"] == 6 and info["lora_config"]["max_lora_rank"] >= 1
+            assert info["parallel_config"]["data_parallel_size"] == 1 and info["weight_transfer_config"] is None
+            assert await asyncio.to_thread(trl.get_world_size) == 2
+
+            async def held_generation() -> float:
+                t0 = time.monotonic()
+                resp = await client.post("/v1/completions", json=completion())
+                assert resp.status_code == 200
+                return time.monotonic() - t0
+
+            await asyncio.to_thread(trl.pause)
+            gen = asyncio.create_task(held_generation())
+            await asyncio.sleep(0.2)
+            assert not gen.done()  # held at the proxy
+            await asyncio.to_thread(trl.resume)
+            assert 0.15 < await gen < 1.0
+            # A failed load after a pause (TRL then never resumes) ends the pause.
+            await asyncio.to_thread(trl.pause)
+            with pytest.raises(Exception, match="400"):
+                await asyncio.to_thread(trl.load_lora_adapter, "trl-policy-v1", "/elsewhere/trl-policy-v1")
+            assert await held_generation() < 0.5
+            # A pause nobody ends runs out after pause_lease_s.
+            await asyncio.to_thread(trl.pause)
+            assert 0.7 < await held_generation() < 2.0
+        for up in ups:
+            up.close()
+
+    asyncio.run(body())
