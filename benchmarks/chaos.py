@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -102,8 +103,11 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, chaos: Chaos) 
         chaos.poll_events()
 
 
-def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: float = 120) -> dict[str, Any]:
+def run_chaos(
+    minutes: float, seed: int, model_dir: str, workdir: str, grace_s: float = 120, rollout_workers: int = 1
+) -> dict[str, Any]:
     """One chaos run of `minutes` (after the first replica is up); returns the audit and the schedule's effects.
+    With `rollout_workers` > 1 the others (rollout-1, ...) share the one proxy and are never killed.
 
     Every process it starts is stopped before it returns or raises, a SIGTERM to this process included."""
     os.makedirs(logs := os.path.join(workdir, "logs"), exist_ok=True)
@@ -112,7 +116,7 @@ def run_chaos(minutes: float, seed: int, model_dir: str, workdir: str, grace_s: 
     on_term = signal.signal(signal.SIGTERM, _interrupt) if main else None  # a `kill` still stops every job
     try:
         with environment(server.env):  # this process reads the bucket without faults
-            return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s)
+            return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s, rollout_workers)
     finally:
         if main:
             signal.signal(signal.SIGTERM, on_term)
@@ -124,7 +128,14 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _run(
-    minutes: float, seed: int, model_dir: str, workdir: str, logs: str, endpoint: str, grace_s: float
+    minutes: float,
+    seed: int,
+    model_dir: str,
+    workdir: str,
+    logs: str,
+    endpoint: str,
+    grace_s: float,
+    rollout_workers: int = 1,
 ) -> dict[str, Any]:
     faults = FaultyS3(endpoint, rate=FAULT_RATE, seed=seed, hold_s=READ_TIMEOUT_S + 1, kinds=FAULT_KINDS)
     bucket = f"s3://brigade-chaos/run-{seed}"
@@ -148,6 +159,8 @@ def _run(
         _wait("the first replica", lambda: bool(chaos.replicas()) and _registered(chaos), 420, chaos)
         chaos.start("proxy", "proxy", "launch")
         chaos.start("rollout", "rollout", "launch")
+        for i in range(1, rollout_workers):
+            chaos.start("rollout", f"rollout-{i}", "launch")
         _wait("the first shard", lambda: chaos.progressed("rollout"), 180, chaos)
         unperformed = _drive(chaos, plan(minutes, seed), minutes * 60, grace_s)
     finally:
@@ -172,6 +185,8 @@ def _run(
     result = {
         "minutes": minutes,
         "seed": seed,
+        "rollout_workers": rollout_workers,
+        "groups_by_worker": dict(Counter(r.record.writer for r in shards if r.shard for _ in r.shard.groups)),
         "kills": chaos.kills,
         "replica_leaves": chaos.leaves,
         "s3_faults_injected": faults.failed,
@@ -240,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=3.0, help="How long the schedule kills and restarts jobs.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the schedule and of the S3 faults.")
     parser.add_argument("--json", action="store_true", help="End with one JSON line (always printed).")
+    parser.add_argument(
+        "--rollout-workers", type=int, default=1, help="Rollout workers sharing the proxy (the first is killed)."
+    )
     parser.add_argument("--workdir", default="", help="Where logs go (default: a new temporary folder, kept).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model_dir = prepare_model(default_model_dir())
     workdir = args.workdir or tempfile.mkdtemp(prefix="brigade-chaos-")
-    result = run_chaos(args.minutes, args.seed, model_dir, workdir)
+    result = run_chaos(args.minutes, args.seed, model_dir, workdir, rollout_workers=args.rollout_workers)
     failures = {k: result[k] for k in MUST_BE_ZERO if result[k]}
     stuck = [r for r in result["restarts"] if not r["progress"]]
     if not args.json:

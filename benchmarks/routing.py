@@ -1,4 +1,4 @@
-"""Routing quality on a simulated GRPO trace, through the proxy's real router (proxy/routing.py). Seeded.
+"""Routing quality on a simulated GRPO trace, through the proxy's real router (proxy/routing/router.py). Seeded.
 
     python -m benchmarks.routing --json
 
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import with_cpu  # noqa: E402
 from bucket.version import Version  # noqa: E402
-from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter  # noqa: E402
+from proxy.routing.router import NEW, PREFIX_HIT, SPILL, PrefixRouter  # noqa: E402
 
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57, 36]
 TEMPLATE = TEMPLATE + [3, 17]  # 23 tokens

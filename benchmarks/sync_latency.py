@@ -64,7 +64,7 @@ def latencies(store: Store) -> dict[str, Any]:
     to_rollout = [v.at["first_rollout"] - v.at["step_done"] for v in both]
     detect = [v.at["detected"] - v.at["committed"] for v in published if "detected" in v.at]
     fanout = [v.fanout_s for v in published if v.fanout_s is not None]
-    # Inside the fan-out, per replica: the load's answer, then the canary probe (proxy/fanout.py's load_s)
+    # Inside the fan-out, per replica: the load's answer, then the canary probe (proxy/adapters/fanout.py's load_s)
     evs = events.read_all(store)
     loads = [e for e in evs if e["kind"] == events.LOADED and "load_s" in e]
     # object stores: committed -> copied into each replica's mirror (what the load waits for)

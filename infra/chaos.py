@@ -130,7 +130,9 @@ class Chaos:
         if kind == "replica":
             job = replica_job(self.config, int(name.rsplit("-", 1)[1]), self.cfg_path, self.logs)
         elif kind == "rollout":
-            job = launch_job("rollout_worker", name, self.cfg_path, self.logs)
+            # The first worker's id is the config's; more workers (rollout-1, ...) are named after their job.
+            flags = () if name == "rollout" else ("--rollout.worker-id", name)
+            job = launch_job("rollout_worker", name, self.cfg_path, self.logs, *flags)
         else:
             job = launch_job(kind, name, self.cfg_path, self.logs)
         job.env = self.env
@@ -143,7 +145,7 @@ class Chaos:
         log.info("chaos: started %s (%s)", name, why)
 
     def kind_of(self, name: str) -> str:
-        return "replica" if name.startswith("replica-") else name
+        return "replica" if name.startswith("replica-") else "rollout" if name.startswith("rollout") else name
 
     def replicas(self) -> list[str]:
         return sorted(n for n, j in self.jobs.items() if n.startswith("replica-") and j.running())

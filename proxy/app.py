@@ -1,33 +1,36 @@
-"""The proxy: one OpenAI-compatible endpoint in front of N vLLM replicas.
+"""The proxy: one OpenAI-compatible endpoint in front of N vLLM replicas, wired here and nowhere else.
 
 Three jobs, in order of how much they matter to a run:
 
-* Adapter loads are all-or-nothing (fanout.py). A version is loaded on every
-  replica that receives traffic, or on none: if one replica fails, the ones
-  that succeeded unload it again, so a rollout never lands on a replica that
-  lacks the adapter it names. A replica that joins later gets every loaded
-  adapter before its first request (membership.py).
+* Adapter loads are all-or-nothing (adapters/fanout.py). A version is loaded
+  on every replica that receives traffic, or on none: if one replica fails,
+  the ones that succeeded unload it again, so a rollout never lands on a
+  replica that lacks the adapter it names. A replica that joins later gets
+  every loaded adapter before its first request (replicas/membership.py).
 * Generation requests go to the replica that already holds their prompt
-  prefix in its KV cache, keeping GRPO groups whole (routing.py), within a
-  global and a per-replica in-flight cap (forwarding.py). In production they
-  never reach this app: the proxy's own HTTP server (httpserver.py) answers
-  them on its hot path; asgi.py serves them for ASGI clients (tests).
+  prefix in its KV cache, keeping GRPO groups whole (routing/router.py),
+  within a global and a per-replica in-flight cap (serving/forwarding.py).
+  They never reach this app: the proxy's own HTTP server
+  (serving/httpserver.py) answers them on its hot path.
 * Everything else (models, tokenize, pause/resume, ...) is passed through
-  (forwarding.py).
+  (serving/forwarding.py).
 
 The parts share one `ProxyState` (state.py) and one `Upstream` HTTP client
-(upstream.py); `Proxy` here wires them together and `create_app` puts HTTP on
-top, with the handlers of asgi.py. The proxy never imports torch or vLLM: it
-must start on a CPU box next to the rollout worker.
+(replicas/upstream.py). `Proxy.__init__` builds them in dependency order and
+hands each its collaborators' callbacks as constructor arguments: the one
+place that says who calls whom. `create_app` puts HTTP on top, with the
+handlers of endpoints.py. The proxy never imports torch or vLLM: it must
+start on a CPU box next to the rollout worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,24 +43,32 @@ from bucket.events import EventLog
 from bucket.manifest import RunManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
-from proxy.asgi import ROUTES, AsgiGeneration, endpoint_for, handlers_for
+from proxy.adapters.fanout import AdapterFanout
+from proxy.adapters.lifecycle import AdapterLifecycle
+from proxy.adapters.live_writer import LiveWriter
+from proxy.adapters.probe import CanaryProbe
 from proxy.config import ProxyConfig
+from proxy.endpoints import ROUTES, endpoint_for, handlers_for
 from proxy.event_writer import EventWriter
-from proxy.fanout import AdapterFanout
-from proxy.forwarding import GENERATION_PATHS, Forwarder
-from proxy.lifecycle import AdapterLifecycle
 from proxy.lora_paths import AdapterRef
-from proxy.membership import Membership
 from proxy.metrics import ProxyMetrics
-from proxy.routing import PrefixRouter
+from proxy.replicas.membership import Membership
+from proxy.replicas.upstream import Upstream
+from proxy.routing.router import PrefixRouter
+from proxy.serving.forwarding import Forwarder, SendGeneration
+from proxy.serving.pool import ReplicaConnections
 from proxy.state import ProxyState
-from proxy.upstream import Upstream
 
 log = logging.getLogger("brigade.proxy")
 
 
 class Proxy:
-    """Replica membership, adapter state and request forwarding; `create_app` puts HTTP on top."""
+    """Replica membership, adapter state and request forwarding; `create_app` puts HTTP on top.
+
+    `transport` and `send_generations` are how tests reach replicas in this process: the httpx transport of
+    the client for admin calls and probes, and a factory of the forwarder's `send` given the `Upstream`
+    (tests/proxy/seams.py). Left out, generations go over pooled sockets (serving/pool.py).
+    """
 
     def __init__(
         self,
@@ -67,26 +78,47 @@ class Proxy:
         *,
         static_adapter_root: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        send_generations: Callable[[Upstream], SendGeneration] | None = None,
         event_log: EventLog | None = None,
     ):
         self.config = config
         self.store = store
         self.manifest = manifest
         router = PrefixRouter(config.block_size, config.spill_threshold, config.max_routing_blocks)
-        self.state = ProxyState(config, store, manifest, router, ProxyMetrics())
+        # Every part below gets its collaborators at construction, in dependency order; nothing is re-wired later.
+        self.state = ProxyState(config, store, manifest, router, ProxyMetrics(live=self._live_metrics))
         self.upstream = Upstream(config, transport, store)
         self.events = EventWriter(event_log if event_log is not None else EventLog(store, "proxy"))
-        self.membership = Membership(self.state, self.upstream, self.events, static_adapter_root)
-        self.fanout = AdapterFanout(self.state, self.upstream, self.events)
-        self.forwarder = Forwarder(self.state, self.upstream)
+        self.connections = ReplicaConnections(
+            config.connect_timeout_s, config.request_timeout_s, self.upstream.auth.get("Authorization")
+        )
+        self.live = LiveWriter(self.state)  # the live versions, for the replicas' mirrors
+        self.prober = CanaryProbe(self.state, self.upstream, self.events)
+        self.membership = Membership(
+            self.state,
+            self.upstream,
+            self.events,
+            static_adapter_root,
+            on_removed=self.connections.forget,  # a replica that left or was ejected loses its connections
+            after_join=self.prober.probe_joiner,  # a joiner gets traffic once it serves every loaded version
+            loaded_changed=self.live.publish,
+        )
+        self.forwarder = Forwarder(
+            self.state,
+            self.upstream,
+            send=send_generations(self.upstream) if send_generations else self.connections.send,
+            on_failure=self.membership.eject,  # a failure seen on the hot path ejects the replica at once
+        )
+        self.fanout = AdapterFanout(
+            self.state,
+            self.upstream,
+            self.events,
+            self.prober,
+            loaded_changed=self.live.publish,
+            on_probe_failed=functools.partial(self.membership.eject, cause="canary_probe"),
+            on_load_failed=self.forwarder.resume,  # a client that paused before a failed load may never resume
+        )
         self.lifecycle = AdapterLifecycle(self.state, self.fanout, self.events)
-        # Failures seen on the hot path eject the replica at once; an ejected replica loses its connections.
-        self.forwarder.on_failure = self.membership.eject
-        self.membership.on_removed = self.forwarder.forget
-        self.membership.after_join = self.fanout.probe_joiner
-        self.fanout.on_probe_failed = lambda rid, why: self.membership.eject(rid, why, cause="canary_probe")
-        self.fanout.on_load_failed = self.forwarder.resume
-        self.state.metrics.live = self._live_metrics
         self.admin_token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self._snapshots: asyncio.Task | None = None
 
@@ -141,7 +173,7 @@ class Proxy:
             await asyncio.gather(self._snapshots, return_exceptions=True)
         await self.lifecycle.close()
         await self.membership.close()
-        self.forwarder.close()
+        self.connections.close()
         await self.upstream.close()
 
     # -- the parts, one call each ------------------------------------------------
@@ -159,6 +191,12 @@ class Proxy:
 
     async def broadcast(self, path: str, query: str) -> Response:
         return await self.forwarder.broadcast(path, query)
+
+    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None) -> Any:
+        return await self.forwarder.forward(method, path, query, body, content_type)
+
+    def live_adapters(self) -> dict[str, Any]:
+        return self.lifecycle.live()
 
     async def world_size(self) -> int:
         return await self.forwarder.world_size()
@@ -287,6 +325,8 @@ class Proxy:
 
 
 def create_app(proxy: Proxy) -> FastAPI:
+    """The proxy's FastAPI app (its lifespan starts and stops `proxy`); generation paths are not on it."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await proxy.start()
@@ -305,7 +345,4 @@ def create_app(proxy: Proxy) -> FastAPI:
         # TRL's clients call some endpoints with a trailing slash; a redirect would turn a POST into a failure.
         for p in (path, path + "/"):
             app.add_api_route(p, endpoint, methods=[method], name=name, include_in_schema=p == path)
-    for path in GENERATION_PATHS:
-        for p in (path, path + "/"):
-            app.router.add_route(p, AsgiGeneration(proxy, path), methods=["POST"], include_in_schema=False)
     return app

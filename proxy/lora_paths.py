@@ -71,7 +71,7 @@ def version_of(store: Store, lora_path: object) -> Version:
 
     Accepted: a bucket key `adapters/v000003`, the same under the bucket URL
     (`s3://b/run/adapters/v000003`), or under the bucket's local folder. Another folder inside the bucket
-    (outside adapters/) raises NotAVersionFolder, which the proxy may import (adapter_import.py).
+    (outside adapters/) raises NotAVersionFolder, which the proxy may import (adapters/adapter_import.py).
     """
     if not isinstance(lora_path, str) or not lora_path.strip():
         raise BadAdapterPath(f"lora_path must be a non-empty string naming an adapter version, e.g. {Version(3).key}")

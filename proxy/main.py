@@ -1,4 +1,4 @@
-"""`brigade proxy`: check the run, then serve the proxy (its own HTTP server: httpserver.py)."""
+"""`brigade proxy`: check the run, then serve the proxy (its own HTTP server: serving/httpserver.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.manifest import RunSpec, wait_and_check
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
-from proxy.httpserver import serve
+from proxy.serving.httpserver import serve
 
 log = logging.getLogger("brigade.proxy")
 

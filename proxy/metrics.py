@@ -16,7 +16,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jobkit.metrics import JobMetrics, ScrapeCollector
-from proxy.routing import DECISION_KINDS
+from proxy.routing.router import DECISION_KINDS
 
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
@@ -83,13 +83,14 @@ class _Live(ScrapeCollector):
 class ProxyMetrics(JobMetrics):
     """Prometheus metrics in a registry of their own (several proxies can live in one test process).
 
-    The proxy's own HTTP server answers /metrics with `render()`.
+    The proxy's own HTTP server answers /metrics with `render()`. `live()` returns the hot path's plain counters
+    (app.py's `Proxy._live_metrics`), read at each scrape.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, live: Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__()
         r = self.registry
-        self.live: Callable[[], dict[str, Any]] | None = None
+        self.live = live
         self.registry.register(_Live(self))
         self.load_seconds = Histogram(
             "brigade_proxy_adapter_load_seconds",

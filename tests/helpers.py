@@ -164,11 +164,12 @@ async def proxied(
     """A proxy in this process in front of the two replicas of `vllm_replicas`, once both have joined;
     yields (the Proxy, a client of its app). Its own adapter lifecycle is off unless `watch_adapters`: the
     tests load and unload by hand, and the session's bucket holds versions other tests published."""
-    from proxy.app import Proxy, create_app
+    from proxy.app import Proxy
     from proxy.config import ProxyConfig
+    from tests.proxy.seams import asgi_app
 
     proxy = Proxy(ProxyConfig(refresh_s=0.5, load_retry_s=30, watch_adapters=watch_adapters), store, manifest)
-    app = create_app(proxy)
+    app = asgi_app(proxy)  # generations over the pooled sockets to the real replicas, reached through ASGI
     async with app.router.lifespan_context(app):
         for _ in range(60):  # both registered replicas join (they heartbeat every second)
             if len(proxy.routable) == 2:

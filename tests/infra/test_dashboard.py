@@ -213,8 +213,8 @@ def test_summary_figures_health_and_unknown_kinds(tmp_path):
 
 
 def test_an_inconclusive_probe_turns_the_banner_red_naming_version_and_replica(tmp_path):
-    """The proxy refused v2 because r1's canary answer could not tell it from the base (proxy/probe.py): never a
-    pass, so v2 is live nowhere and the banner says which replica and why, in the proxy's words."""
+    """The proxy refused v2 because r1's canary answer could not tell it from the base (proxy/adapters/probe.py):
+    never a pass, so v2 is live nowhere and the banner says which replica and why, in the proxy's words."""
     store = synthetic_run(tmp_path / "bucket")
     info = dict(url="http://x", adapter_root="/a", base_model="m", block_size=16, max_loras=4, started_at=0.0)
     for rid in ("r0", "r1"):

@@ -1,4 +1,4 @@
-"""The served-policy probe's verdict on a replica's canary logprobs (proxy/probe.py `judge`), on drawn numbers.
+"""The served-policy probe's verdict on a replica's canary logprobs (proxy/adapters/probe.py `judge`), on drawn numbers.
 
 The real probe runs against real vLLM replicas in test_proxy_vllm.py and test_proxy_failures.py; what those cannot
 show is how often the verdict is wrong through kernel noise, which needs hundreds of draws: these draw the noise
@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 
 from bucket.version import Version
+from proxy.adapters.probe import judge
 from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
-from proxy.probe import judge
 
 REF = AdapterRef("run-v000004", Version(4))
 POSITIONS = 16  # the proxy's default canary_positions

@@ -30,7 +30,7 @@ from bucket.store import Store
 from bucket.version import Version
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
-from proxy.httpserver import HttpServer
+from proxy.serving.httpserver import HttpServer
 from rollout_worker.generation import Generator
 from tests.helpers import free_port, start_replica
 
@@ -374,6 +374,7 @@ def test_streams_and_pipelined_keep_alive_requests(run_store):
 
 
 def test_admin_endpoints_need_the_admin_token(run_store, monkeypatch):
+    from tests.proxy.seams import HttpxGeneration, asgi_app
     from tests.proxy.test_proxy_fanout import FakeReplica, HostDispatch
 
     store, manifest = run_store
@@ -387,8 +388,9 @@ def test_admin_endpoints_need_the_admin_token(run_store, monkeypatch):
             manifest,
             static_adapter_root="/a",
             transport=HostDispatch({"r0": fake}),
+            send_generations=HttpxGeneration,
         )
-        app = create_app(proxy)
+        app = asgi_app(proxy)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as client:
                 load = {"lora_name": "x", "lora_path": "adapters/v000001"}

@@ -31,8 +31,9 @@ from bucket import adapters, events, layout, live
 from bucket.replicas import ReplicaInfo, heartbeat, register
 from bucket.store import Store
 from bucket.version import Version
-from proxy.app import Proxy, create_app
+from proxy.app import Proxy
 from proxy.config import ProxyConfig
+from tests.proxy.seams import HttpxGeneration, asgi_app
 
 ADAPTER_FILES = {"adapter_model.safetensors": b"not really tensors", "adapter_config.json": b"{}"}
 
@@ -211,9 +212,14 @@ async def running(
 ) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient, HostDispatch]]:
     transport = HostDispatch({f.name: f for f in fakes})
     proxy = Proxy(
-        cfg, store, manifest, static_adapter_root=adapter_root if cfg.replica_urls else None, transport=transport
+        cfg,
+        store,
+        manifest,
+        static_adapter_root=adapter_root if cfg.replica_urls else None,
+        transport=transport,
+        send_generations=HttpxGeneration,
     )
-    app = create_app(proxy)
+    app = asgi_app(proxy)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
             yield proxy, client, transport
@@ -791,7 +797,7 @@ def test_health_without_replicas(run_store):
 
 def test_proxy_main_imports_without_torch():
     code = (
-        "import sys, proxy.main, proxy.app, proxy.routing; "
+        "import sys, proxy.main, proxy.app, proxy.routing.router; "
         "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -828,9 +834,47 @@ class _Served:
         self.thread.join(10)
 
 
-def test_served_by_uvicorn_over_real_sockets(run_store):
-    """Fake replicas listen on loopback ports so the proxy's own HTTP stack, streaming and `build_app` run for real;
-    a real vLLM could not report which replica served each request."""
+class _ServedByProxy:
+    """The proxy's app behind the proxy's own HTTP server (production's, serving/httpserver.py), in a thread."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self.url = ""
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        from proxy.serving.httpserver import HttpServer
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        async with self.app.router.lifespan_context(self.app):
+            server = HttpServer(self.app, self.app.state.proxy.forwarder)
+            await server.start("127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{server.sockname[1]}"
+            self._ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await server.stop(grace_s=1)
+
+    def __enter__(self) -> _ServedByProxy:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self._ready.wait(0.05):
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the proxy did not start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(10)
+
+
+def test_served_over_real_sockets(run_store):
+    """Fake replicas (served by uvicorn) listen on loopback ports so the proxy's own HTTP server, its socket pools,
+    streaming and `build_app` run for real; a real vLLM could not report which replica served each request."""
     from infra.config import load
     from proxy.main import build_app
 
@@ -848,7 +892,7 @@ def test_served_by_uvicorn_over_real_sockets(run_store):
             }
         )
         with (
-            _Served(build_app(cfg.proxy, cfg.run, cfg.bucket)) as proxy,
+            _ServedByProxy(build_app(cfg.proxy, cfg.run, cfg.bucket)) as proxy,
             httpx.Client(base_url=proxy.url, timeout=30) as client,
         ):
             assert client.get("/health").status_code == 200

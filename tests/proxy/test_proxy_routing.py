@@ -1,4 +1,4 @@
-"""Prefix-aware routing (proxy/routing.py): pure unit tests, no I/O."""
+"""Prefix-aware routing (proxy/routing/router.py): pure unit tests, no I/O."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from proxy.prefix_hashes import text_block_hashes, token_block_hashes
-from proxy.routing import NEW, PREFIX_HIT, SPILL, PrefixRouter
+from proxy.routing.prefix_hashes import text_block_hashes, token_block_hashes
+from proxy.routing.router import NEW, PREFIX_HIT, SPILL, PrefixRouter
 
 TEMPLATE = list(range(1000, 1048))  # a 48-token "chat template" every prompt starts with (3 blocks of 16)
 

@@ -18,7 +18,7 @@ import httpx
 
 from bucket import adapters, events
 from bucket.replicas import ReplicaInfo
-from proxy.probe import CanaryProbe
+from proxy.adapters.probe import CanaryProbe
 from tests.helpers import make_adapter_files, proxied
 
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2] * 3  # 45 shared tokens

@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.prefix_hashes import text_keys, token_keys
+from proxy.routing.prefix_hashes import text_keys, token_keys
 
 PREFIX_HIT = "prefix_hit"
 NEW = "new"

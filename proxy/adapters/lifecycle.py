@@ -28,9 +28,9 @@ from typing import Any
 from bucket import adapters, events
 from bucket.canary import read_canary
 from bucket.version import Version
-from proxy.adapter_import import MARKER_FIELD
+from proxy.adapters.adapter_import import MARKER_FIELD
+from proxy.adapters.fanout import AdapterFanout
 from proxy.event_writer import EventWriter
-from proxy.fanout import AdapterFanout
 from proxy.lora_paths import AdapterRef
 from proxy.state import ProxyState
 

@@ -34,8 +34,8 @@ from bucket.replicas import LivenessTracker, ReplicaInfo, list_replicas
 from bucket.version import BadVersion, Version
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
+from proxy.replicas.upstream import Upstream
 from proxy.state import ProxyState
-from proxy.upstream import Upstream
 
 log = logging.getLogger("brigade.proxy")
 
@@ -50,10 +50,23 @@ def _incarnation(info: ReplicaInfo) -> tuple[str, float, str]:
 
 
 class Membership:
-    """Discovers replicas, lets joiners in once they hold every loaded adapter, drops the ones that left."""
+    """Discovers replicas, lets joiners in once they hold every loaded adapter, drops the ones that left.
+
+    `on_removed(replica_id)` is called when a replica stops receiving traffic (the hot path closes its
+    connections); `after_join(info)` before a joiner that holds every loaded adapter gets traffic (the canary
+    probe: None admits it, else why not); `loaded_changed()` after adopting what the replicas already serve.
+    """
 
     def __init__(
-        self, state: ProxyState, upstream: Upstream, events: EventWriter, static_adapter_root: str | None
+        self,
+        state: ProxyState,
+        upstream: Upstream,
+        events: EventWriter,
+        static_adapter_root: str | None,
+        *,
+        on_removed: Callable[[str], None],
+        after_join: Callable[[ReplicaInfo], Awaitable[str | None]],
+        loaded_changed: Callable[[], None],
     ) -> None:
         self.state = state
         self.upstream = upstream
@@ -76,8 +89,9 @@ class Membership:
         self.ejected: dict[str, str] = {}  # replica id -> why; still registered, receives no traffic
         self.ejections: dict[tuple[str, str], int] = {}  # (replica, cause) -> count, for metrics
         self.readmissions: dict[str, int] = {}
-        self.on_removed: Callable[[str], None] = lambda rid: None  # the forwarder closes its connections
-        self.after_join: Callable[[ReplicaInfo], Awaitable[str | None]] | None = None  # the canary probe
+        self.on_removed = on_removed
+        self.after_join = after_join
+        self.loaded_changed = loaded_changed
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -281,12 +295,11 @@ class Membership:
                 if not await self._give_loaded_adapters(info):
                     self._retry_join_later(rid)
                     return
-                if self.after_join is not None:
-                    problem = await self.after_join(info)
-                    if problem is not None:
-                        log.warning("replica %s cannot join: %s; retrying in %.0fs", rid, problem, JOIN_RETRY_S)
-                        self._retry_join_later(rid)
-                        return
+                problem = await self.after_join(info)
+                if problem is not None:
+                    log.warning("replica %s cannot join: %s; retrying in %.0fs", rid, problem, JOIN_RETRY_S)
+                    self._retry_join_later(rid)
+                    return
                 if state.paused_query is not None:
                     await self.upstream.post(info, "/pause", query=state.paused_query)
                 state.routable[rid] = info
@@ -363,4 +376,4 @@ class Membership:
                 continue
             loaded[name] = AdapterRef(name, version, read_canary(marker))
             log.info("adopted adapter %s (%s) already served by %s", name, version.folder, info.replica_id)
-            self.state.loaded_changed()
+            self.loaded_changed()

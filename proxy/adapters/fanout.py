@@ -3,10 +3,10 @@
 Loads are all-or-nothing: a version is loaded on every routable replica or on
 none. If one replica fails, the ones this load reached unload it again, so a
 rollout never lands on a replica that lacks the adapter it names. (A replica
-that joins later gets every loaded adapter first: see membership.py.)
+that joins later gets every loaded adapter first: see replicas/membership.py.)
 
 A version counts as loaded on a replica once the served-policy probe admitted
-it (proxy/probe.py): the replica's own shift from the base on the canary must
+it (probe.py): the replica's own shift from the base on the canary must
 be the trainer's, at the configured confidence, and its logprobs within
 `canary_tolerance` of the trainer's. A replica that fails is given the version
 again (unload, load), probed again, and ejected if it still fails; one whose
@@ -24,64 +24,47 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from bucket import adapters, events, layout, live
+from bucket import adapters, events, layout
 from bucket.canary import read_canary
-from bucket.replicas import ReplicaInfo
-from proxy import adapter_import
+from proxy.adapters import adapter_import
+from proxy.adapters.probe import CanaryProbe
 from proxy.errors import error_response
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef, BadAdapterPath, NotAVersionFolder, version_of
-from proxy.probe import CanaryProbe
+from proxy.replicas.upstream import ReplicaResult, Upstream
 from proxy.state import ProxyState
-from proxy.upstream import ReplicaResult, Upstream
 
 log = logging.getLogger("brigade.proxy")
 
 
 class AdapterFanout:
-    """Loads and unloads one adapter on all routable replicas at once, keeping `state.loaded` true."""
+    """Loads and unloads one adapter on all routable replicas at once, keeping `state.loaded` true.
 
-    def __init__(self, state: ProxyState, upstream: Upstream, events: EventWriter) -> None:
+    `loaded_changed()` is called after `state.loaded` changed (the live versions are written for the mirrors);
+    `on_probe_failed(replica_id, reason)` when a replica serves other weights under a version's name (membership
+    ejects it); `on_load_failed(reason)` after a failed client load (the forwarder ends a pause: a client that
+    paused before loading may never resume).
+    """
+
+    def __init__(
+        self,
+        state: ProxyState,
+        upstream: Upstream,
+        events: EventWriter,
+        prober: CanaryProbe,
+        *,
+        loaded_changed: Callable[[], None],
+        on_probe_failed: Callable[[str, str], None],
+        on_load_failed: Callable[[str], None],
+    ) -> None:
         self.state = state
         self.upstream = upstream
         self.events = events
-        self.on_probe_failed: Callable[[str, str], None] = lambda rid, why: None
-        self.on_load_failed: Callable[[str], None] = lambda why: None  # ends a pause (a client may never resume)
-        self.prober = CanaryProbe(state, upstream, events)
+        self.prober = prober
+        self.loaded_changed = loaded_changed
+        self.on_probe_failed = on_probe_failed
+        self.on_load_failed = on_load_failed
         self.imported: dict[str, adapter_import.Imported] = {}  # client adapter folders made versions, by name
-        self._live_dirty = False
-        self._live_task: asyncio.Task | None = None
-        state.loaded_changed = self.publish_live
-
-    def publish_live(self) -> None:
-        """Tell the replicas' mirrors which versions are live (bucket/live.py), off the load's critical path."""
-        self._live_dirty = True
-        if self._live_task is None or self._live_task.done():
-            self._live_task = asyncio.get_running_loop().create_task(self._write_live())
-
-    async def _write_live(self) -> None:
-        """Write the newest set until it is written; a failed write is retried (the mirrors' own window holds
-        meanwhile), and changes made during a write are written next."""
-        backoff = 0.5
-        while self._live_dirty:
-            self._live_dirty = False
-            versions = [ad.version for ad in self.state.loaded.values()]
-            try:
-                await asyncio.to_thread(live.write_live, self.state.store, versions)
-                backoff = 0.5
-            except Exception as exc:  # noqa: BLE001 - any bucket failure: retry, never into the load path
-                log.warning("could not write %s (retrying in %.1fs): %s", layout.PROXY_LIVE, backoff, exc)
-                self._live_dirty = True
-                await asyncio.sleep(backoff)
-                backoff = min(30.0, backoff * 2)
-
-    async def probe_joiner(self, info: ReplicaInfo) -> str | None:
-        """Before a joiner gets traffic: the canary probe of every loaded version (None = it serves them all)."""
-        for ad in list(self.state.loaded.values()):
-            verdict = await self.prober.probe_and_repair(info, ad)
-            if not verdict.ok:
-                return f"{ad.lora_name}: {verdict.reason}"
-        return None
 
     async def _checked_request(self, body: Any) -> AdapterRef | Response:
         """The committed bucket version a load request names, or the error answer."""
@@ -212,7 +195,7 @@ class AdapterFanout:
             else:
                 state.loaded[ad.lora_name] = ad
                 state.used_at[ad.lora_name] = time.monotonic()  # whoever loaded it gets unload_idle_s to use it
-                state.loaded_changed()
+                self.loaded_changed()
         seconds = time.monotonic() - received
         if failed:
             return await self._load_failed(ad, results, failed, rolled_back, seconds, started_at)
@@ -344,7 +327,7 @@ class AdapterFanout:
             # unload counts that replica's 404 as success.
             ad = self.state.loaded.pop(name, None)
             if ad is not None:
-                self.state.loaded_changed()
+                self.loaded_changed()
         failed = [r for r in results if not r.ok]
         await self.events.emit(
             events.UNLOADED,

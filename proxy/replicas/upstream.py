@@ -75,7 +75,7 @@ class Upstream:
     ) -> None:
         self.config = config
         self.store = store  # where mirrored replicas list what is on their disk (bucket/replicas.py)
-        self.transport = transport  # tests put fake replicas here (the hot path then goes through httpx too)
+        self.transport = transport  # tests put fake replicas here (httpx's own default when None)
         self._client: httpx.AsyncClient | None = None
         key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -88,7 +88,7 @@ class Upstream:
 
     def open(self) -> None:
         # Enough connections for every admitted request, plus probes and adapter calls beside them.
-        # Generations use their own pooled connections (pool.py); this client carries admin calls and probes.
+        # Generations use their own pooled connections (serving/pool.py); this client carries admin calls and probes.
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(
             transport=self.transport, limits=limits, timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0)

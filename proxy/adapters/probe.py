@@ -32,8 +32,8 @@ from bucket.replicas import ReplicaInfo
 from proxy.config import ProxyConfig
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef, error_message
+from proxy.replicas.upstream import Upstream
 from proxy.state import ProxyState
-from proxy.upstream import Upstream
 
 log = logging.getLogger("brigade.proxy")
 
@@ -142,6 +142,14 @@ class CanaryProbe:
 
     def __init__(self, state: ProxyState, upstream: Upstream, events: EventWriter) -> None:
         self.state, self.upstream, self.events = state, upstream, events
+
+    async def probe_joiner(self, info: ReplicaInfo) -> str | None:
+        """Before a joiner gets traffic: the probe of every loaded version (None = it serves them all)."""
+        for ad in list(self.state.loaded.values()):
+            verdict = await self.probe_and_repair(info, ad)
+            if not verdict.ok:
+                return f"{ad.lora_name}: {verdict.reason}"
+        return None
 
     async def probe(self, info: ReplicaInfo, ad: AdapterRef) -> ProbeVerdict:
         """The canary's logprobs on one replica under `ad`'s name, compared with the trainer's; more positions

@@ -1,14 +1,15 @@
 """Client requests to replicas.
 
 Generation requests (the hot path) are parsed once (generation_body.py),
-routed (routing.py), admitted under a global and a per-replica in-flight
-limit, and sent as the client's own bytes over a pooled keep-alive connection
-(pool.py); the answer is relayed as it arrives, streamed or not. A replica
-that fails before the first byte of its answer reached the client is reported
-(membership ejects it) and the request goes to another replica; a failure
-mid-answer ends the answer with a clear error. Everything else (models,
-tokenize, ...) goes to the least-loaded replica through httpx, and
-pause/resume to every replica.
+routed (proxy/routing), admitted under a global and a per-replica in-flight
+limit, and sent as the client's own bytes with the `send` the forwarder was
+built with: in production a pooled keep-alive connection (pool.py,
+`ReplicaConnections.send`); the answer is relayed as it arrives, streamed or
+not. A replica that fails before the first byte of its answer reached the
+client is reported (`on_failure`: membership ejects it) and the request goes
+to another replica; a failure mid-answer ends the answer with a clear error.
+Everything else (models, tokenize, ...) goes to the least-loaded replica
+through httpx, and pause/resume to every replica.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
@@ -24,12 +25,11 @@ from fastapi.responses import JSONResponse, Response
 
 from bucket.replicas import ReplicaInfo
 from proxy.errors import error_body, error_response
-from proxy.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
-from proxy.httpx_exchange import HttpxExchange
 from proxy.lora_paths import error_message
-from proxy.pool import ReplicaPool, UpstreamError
+from proxy.replicas.upstream import Upstream
+from proxy.serving.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
+from proxy.serving.pool import UpstreamError
 from proxy.state import ProxyState
-from proxy.upstream import Upstream
 
 log = logging.getLogger("brigade.proxy")
 
@@ -46,59 +46,49 @@ class ClientSink(Protocol):
     def abort(self, message: str) -> None: ...
 
 
+class ReplicaAnswer(Protocol):
+    """A replica's answer to one generation, once its head arrived (pool.py's `Exchange` is one)."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]  # to relay: lower-case names, hop-by-hop headers removed
+    length: int | None  # Content-Length; None = streamed
+    tail: bytes | None  # the last body chunk relayed (where a non-streamed answer's usage is)
+
+    def attach(self, sink: Any, on_done: Callable[[bool], None]) -> None: ...
+    def cancel(self, why: str) -> None: ...
+
+
+# Sends a generation's body to `path` on a replica; raises pool.UpstreamError when it fails before answering.
+SendGeneration = Callable[[ReplicaInfo, str, bytes], Awaitable[ReplicaAnswer]]
+
+
 class Forwarder:
     """Sends client requests to the routable replicas; never changes which replicas or adapters there are.
 
+    `send` carries each generation to a replica (pool.py's `ReplicaConnections.send` in production).
     `on_failure(replica_id, reason)` is called when a replica failed a request before answering
     (membership ejects it: the passive half of the circuit breaker).
     """
 
-    def __init__(self, state: ProxyState, upstream: Upstream) -> None:
+    def __init__(
+        self,
+        state: ProxyState,
+        upstream: Upstream,
+        *,
+        send: SendGeneration,
+        on_failure: Callable[[str, str], None],
+    ) -> None:
         self.state = state
         self.upstream = upstream
-        self.on_failure: Callable[[str, str], None] = lambda rid, why: None
+        self.send = send
+        self.on_failure = on_failure
         self._slots = asyncio.Semaphore(state.config.max_inflight)
-        self._pools: dict[str, tuple[str, ReplicaPool]] = {}
         self._replica_slots: dict[str, asyncio.Semaphore] = {}
-        self._heads: dict[tuple[str, str], bytes] = {}
-        key = upstream.auth.get("Authorization")
-        self._extra = b"content-type: application/json\r\n" + (
-            b"authorization: " + key.encode() + b"\r\n" if key else b""
-        )
         self._lease: asyncio.TimerHandle | None = None
         self.waiting = 0
         self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
         self.upstream_errors: dict[str, int] = {}
         self.broken_answers = 0
-
-    # -- connection pools -------------------------------------------------------------------
-    def _pool(self, info: ReplicaInfo) -> ReplicaPool:
-        entry = self._pools.get(info.replica_id)
-        if entry is None or entry[0] != info.url:
-            if entry is not None:
-                entry[1].close()
-            pool = ReplicaPool(info.url, self.state.config.connect_timeout_s)
-            self._pools[info.replica_id] = (info.url, pool)
-            return pool
-        return entry[1]
-
-    def forget(self, replica_id: str, in_flight_too: bool = False) -> None:
-        """A replica left or was ejected: close its idle connections (answers in progress may still finish)."""
-        entry = self._pools.pop(replica_id, None)
-        self._heads = {k: v for k, v in self._heads.items() if k[0] != replica_id}
-        if entry is not None:
-            entry[1].close(in_flight_too)
-
-    def close(self) -> None:
-        for rid in list(self._pools):
-            self.forget(rid, in_flight_too=True)
-
-    def _head(self, info: ReplicaInfo, pool: ReplicaPool, path: str) -> bytes:
-        key = (info.replica_id, path)
-        head = self._heads.get(key)
-        if head is None:
-            head = self._heads[key] = pool.request_head(path, self._extra)
-        return head
 
     def _replica_slot(self, rid: str) -> asyncio.Semaphore:
         sem = self._replica_slots.get(rid)
@@ -174,11 +164,8 @@ class Forwarder:
         release_global: Callable[[], None],
     ) -> None:
         state, router = self.state, self.state.router
-        transport = self.upstream.transport
         tried: set[str] = set()
         stale_retried: set[str] = set()
-        timeout = state.config.request_timeout_s
-        length_line = b"content-length: %d\r\n\r\n" % len(body)
         while True:
             decision = self._route(payload, tokens, text, tried)
             if decision is None:
@@ -198,11 +185,7 @@ class Forwarder:
             try:
                 if info is None:
                     raise UpstreamError("the replica left", retryable=True, connect=True)
-                if transport is not None:
-                    ex = await self._send_httpx(info, path, body)
-                else:
-                    pool = self._pool(info)
-                    ex = await pool.send(self._head(info, pool, path) + length_line + body, timeout)
+                ex = await self.send(info, path, body)
             except UpstreamError as exc:
                 rslot.release()
                 router.finish(decision)
@@ -236,17 +219,6 @@ class Forwarder:
         sink.start(ex.status, headers, ex.length)
         sink.exchange = ex  # the sink cancels it if the client leaves
         ex.attach(sink, done)
-
-    async def _send_httpx(self, info: ReplicaInfo, path: str, body: bytes) -> HttpxExchange:
-        client = self.upstream.client
-        headers = {"content-type": "application/json", **self.upstream.auth}
-        try:
-            req = client.build_request("POST", f"{info.url}{path}", content=body, headers=headers)
-            return HttpxExchange(await client.send(req, stream=True))
-        except httpx.ConnectError as exc:
-            raise UpstreamError(str(exc), retryable=True, connect=True) from None
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}", retryable=True) from None
 
     # -- everything else -----------------------------------------------------------------------
     def _least_loaded(self) -> tuple[str | None, ReplicaInfo | None]:

@@ -24,8 +24,8 @@ from urllib.parse import unquote
 import httptools
 
 from proxy.errors import error_body
-from proxy.forwarding import GENERATION_PATHS, Forwarder
-from proxy.raw_sink import RawSink, status_line
+from proxy.serving.forwarding import GENERATION_PATHS, Forwarder
+from proxy.serving.raw_sink import RawSink, status_line
 
 log = logging.getLogger("brigade.proxy")
 

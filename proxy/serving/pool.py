@@ -1,6 +1,7 @@
 """The generation hot path's connections to the replicas: asyncio protocols parsed by httptools.
 
-One `ReplicaPool` per replica keeps idle HTTP/1.1 keep-alive connections.
+One `ReplicaPool` per replica keeps idle HTTP/1.1 keep-alive connections;
+`ReplicaConnections` holds them, by replica id, and is how the forwarder sends.
 An `Exchange` is one request on one connection: the caller awaits its head
 (status and headers; any failure before it is retryable, nothing reached the
 client), then attaches a sink that receives the body from the protocol's
@@ -15,11 +16,13 @@ costs a fraction of either per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
+
+from bucket.replicas import ReplicaInfo
 
 # Headers that describe one hop, not the message: never relayed.
 HOP_HEADERS = frozenset(
@@ -310,3 +313,46 @@ class ReplicaPool:
         for conn in list(self._idle if not in_flight_too else self._all):
             conn.close()
         self._idle.clear()
+
+
+class ReplicaConnections:
+    """The hot path's connections to every replica: one `ReplicaPool` per replica, and its cached request heads.
+
+    `send` is what the forwarder sends generations with in production; `forget` is called when a replica
+    leaves or is ejected (membership.py).
+    """
+
+    def __init__(self, connect_timeout_s: float, request_timeout_s: float, authorization: str | None) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._pools: dict[str, tuple[str, ReplicaPool]] = {}
+        self._heads: dict[tuple[str, str], bytes] = {}
+        self._extra = b"content-type: application/json\r\n" + (
+            b"authorization: " + authorization.encode() + b"\r\n" if authorization else b""
+        )
+
+    def send(self, info: ReplicaInfo, path: str, body: bytes) -> Awaitable[Exchange]:
+        """POST the client's `body` to `path` on the replica; the awaitable ends once the answer's head arrived."""
+        rid = info.replica_id
+        entry = self._pools.get(rid)
+        if entry is None or entry[0] != info.url:
+            if entry is not None:
+                entry[1].close()
+            entry = self._pools[rid] = (info.url, ReplicaPool(info.url, self.connect_timeout_s))
+        pool = entry[1]
+        key = (rid, path)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = pool.request_head(path, self._extra)
+        return pool.send(head + b"content-length: %d\r\n\r\n" % len(body) + body, self.request_timeout_s)
+
+    def forget(self, replica_id: str, in_flight_too: bool = False) -> None:
+        """A replica left or was ejected: close its idle connections (answers in progress may still finish)."""
+        entry = self._pools.pop(replica_id, None)
+        self._heads = {k: v for k, v in self._heads.items() if k[0] != replica_id}
+        if entry is not None:
+            entry[1].close(in_flight_too)
+
+    def close(self) -> None:
+        for rid in list(self._pools):
+            self.forget(rid, in_flight_too=True)
