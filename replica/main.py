@@ -39,7 +39,7 @@ from replica import warmup
 from replica.config import ReplicaConfig
 from replica.metrics import ReplicaMetrics
 from replica.mirror import AdapterMirror
-from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roots, plan_server
+from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roots, plan_server, scheduling_policy
 
 log = logging.getLogger("brigade.replica")
 
@@ -265,6 +265,7 @@ class Replica:
                 started_at=time.time(),
                 kv_blocks=self.server.kv_blocks(),
                 mirrored=self.mirror.mirrored() if self.mirror is not None else None,
+                priority_scheduling=scheduling_policy(plan.argv) == "priority",
             )
             # The started event goes first: once registered, the proxy may load adapters here at once (a
             # registration write that S3 applied and answered 500 to is seen during its retry), and a started

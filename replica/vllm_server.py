@@ -76,6 +76,19 @@ class ServerPlan:
     base_url: str
 
 
+def scheduling_policy(argv: list[str]) -> str:
+    """The policy vLLM will use: the last --scheduling-policy given (replica.extra_args may override ours)."""
+    policy = "fcfs"
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--scheduling-policy":
+            policy = value
+        elif flag.startswith("--scheduling-policy="):
+            policy = flag.split("=", 1)[1]
+    if argv and argv[-1].startswith("--scheduling-policy="):
+        policy = argv[-1].split("=", 1)[1]
+    return policy
+
+
 def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPlan:
     block_size = rc.block_size or (CPU_BLOCK_SIZE if cpu else GPU_BLOCK_SIZE)
     # The staleness window, plus the newest version, plus the next one, which
@@ -114,6 +127,11 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
         # trainer reproduces only temperature, so anything else would bias the importance ratio.
         "--generation-config",
         "vllm",
+        # Requests carry a priority (lower runs earlier): the proxy's canary probe and loads' checks go ahead
+        # of generation waiting in vLLM's queue, evaluations after it. Requests without one (TRL's, training
+        # generation) are 0 and keep first-come-first-served order among themselves.
+        "--scheduling-policy",
+        "priority",
     ]
     if rc.max_num_seqs:
         argv += ["--max-num-seqs", str(rc.max_num_seqs)]

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from bucket import events
+from bucket import events, priority
 from bucket.events import EventLog
 from rollout_worker.generation import Generator
 from rollout_worker.prompts import PromptData
@@ -86,7 +86,15 @@ class Evaluator:
             text, ids = await self.generator.prompt_ids(row)
             resp = await self.client.post(
                 "/v1/completions",
-                json={"model": model, "prompt": ids, "max_tokens": self.max_tokens, "temperature": 0.0, "n": 1},
+                # after the rollouts the trainer waits for (a replica without priority scheduling: the proxy drops it)
+                json={
+                    "model": model,
+                    "prompt": ids,
+                    "max_tokens": self.max_tokens,
+                    "temperature": 0.0,
+                    "n": 1,
+                    "priority": priority.EVALUATION,
+                },
             )
         if resp.status_code != 200:
             raise RuntimeError(f"evaluation request failed (HTTP {resp.status_code}): {resp.text[:300]}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bucket import events
+from bucket import events, priority
 from bucket.canary import Canary
 from bucket.replicas import ReplicaInfo
 from proxy.config import ProxyConfig
@@ -201,6 +201,8 @@ class CanaryProbe:
             "logprob_token_ids": sorted(set(canary.completion_ids)),
             "return_tokens_as_token_ids": True,
         }
+        if info.priority_scheduling:  # ahead of generation waiting in the replica's queue: the load waits on this
+            body["priority"] = priority.CONTROL
         try:
             resp = await self.upstream.post(info, "/v1/completions", body, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as exc:

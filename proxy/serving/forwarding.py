@@ -15,6 +15,7 @@ through httpx, and pause/resume to every replica.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -60,6 +61,14 @@ class ReplicaAnswer(Protocol):
 
 # Sends a generation's body to `path` on a replica; raises pool.UpstreamError when it fails before answering.
 SendGeneration = Callable[[ReplicaInfo, str, bytes], Awaitable[ReplicaAnswer]]
+
+
+def without_priority(body: bytes, payload: dict[str, Any]) -> bytes:
+    """The body for a replica without priority scheduling, which refuses any `priority` but 0: without it.
+    Rewritten only when a client sent one (brigade's evaluations do); other bodies pass as they are."""
+    if payload.get("priority") in (None, 0):
+        return body
+    return json.dumps({k: v for k, v in payload.items() if k != "priority"}).encode()
 
 
 class Forwarder:
@@ -185,7 +194,7 @@ class Forwarder:
             try:
                 if info is None:
                     raise UpstreamError("the replica left", retryable=True, connect=True)
-                ex = await self.send(info, path, body)
+                ex = await self.send(info, path, body if info.priority_scheduling else without_priority(body, payload))
             except UpstreamError as exc:
                 rslot.release()
                 router.finish(decision)

@@ -20,7 +20,15 @@ from bucket.version import Version
 from replica import mirror as mirror_mod
 from replica.config import ReplicaConfig
 from replica.mirror import AdapterMirror
-from replica.vllm_server import ReplicaError, ServerPlan, VllmServer, lora_rank_cap, lora_roots, plan_server
+from replica.vllm_server import (
+    ReplicaError,
+    ServerPlan,
+    VllmServer,
+    lora_rank_cap,
+    lora_roots,
+    plan_server,
+    scheduling_policy,
+)
 from tests.helpers import REPO_ROOT, free_port, make_adapter_files, start_replica
 from tests.promql import missing, scrape
 
@@ -71,6 +79,9 @@ def test_cpu_plan_has_the_flags_vllm_cpu_needs(run_store):
     assert args[args.index("--served-model-name") + 1] == manifest.base_model
     assert plan.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and plan.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert scheduling_policy(args) == "priority"  # the probe and evaluations carry priorities
+    fcfs = ReplicaConfig(model_path="/m", extra_args=["--scheduling-policy=fcfs"])  # a user's override wins
+    assert scheduling_policy(plan_server(fcfs, manifest, cpu=True).argv) == "fcfs"
     gpu = plan_server(rc, manifest, cpu=False)
     assert gpu.block_size == 16 and "--no-enable-chunked-prefill" not in gpu.argv
     assert [lora_rank_cap(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
