@@ -137,7 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", type=int, default=20, help="adapter versions to publish per bucket (>= 2)")
     p.add_argument("--buckets", default=",".join(BUCKETS), help="which buckets to measure: local, s3 or both")
     p.add_argument("--max-completion-length", type=int, default=8, help="tokens per completion (shorter: faster)")
+    p.add_argument("--saturate", action="store_true", help="idle vs saturated replicas (benchmarks/sync_saturated.py)")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="--saturate: sequence slots per replica")
+    p.add_argument("--completion-tokens", type=int, default=160, help="--saturate: tokens of each loading completion")
+    p.add_argument("--no-priority", action="store_true", help="--saturate: FCFS replicas, no control slot (before)")
     args = p.parse_args(argv)
+    if args.saturate:
+        from benchmarks.sync_saturated import run_saturated
+
+        versions = 6 if args.versions == 20 else args.versions  # each saturated version costs ~10 s here
+        out = with_cpu(
+            {
+                "benchmark": "sync_latency",
+                **run_saturated(versions, args.max_num_seqs, args.completion_tokens, not args.no_priority),
+            }
+        )
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return 0 if out["false_ejections"] == 0 else 1
     kinds = [k.strip() for k in args.buckets.split(",") if k.strip()]
     if args.versions < 2:
         p.error("--versions must be at least 2 (the initial version plus one trained one)")

@@ -47,6 +47,7 @@ class EventKind(StrEnum):
     REPLICA_REMOVED = "replica_removed"  # proxy: a replica left the registry (or restarted)
     ROUTING_SNAPSHOT = "routing_snapshot"  # proxy, every few seconds: decisions by kind, in flight per replica
     PROBE_FAILED = "adapter_probe_failed"  # proxy: a replica's canary logprobs do not match the version it loaded
+    EVAL_SKIPPED = "eval_skipped"  # rollout worker: versions that came due while an evaluation ran, not evaluated
     EVAL = "eval"  # rollout worker or `brigade eval`: greedy held-out accuracy of one version (0 = base)
     CURRICULUM = "curriculum_level"  # rollout worker: training prompts moved to another difficulty level
     REWARD_FAILED = "reward_failed"  # rollout worker: a reward function raised or timed out (rewards None)
@@ -72,6 +73,7 @@ REPLICA_REMOVED = EventKind.REPLICA_REMOVED
 ROUTING_SNAPSHOT = EventKind.ROUTING_SNAPSHOT
 PROBE_FAILED = EventKind.PROBE_FAILED
 EVAL = EventKind.EVAL
+EVAL_SKIPPED = EventKind.EVAL_SKIPPED
 CURRICULUM = EventKind.CURRICULUM
 REWARD_FAILED = EventKind.REWARD_FAILED
 

@@ -39,6 +39,9 @@ class ReplicaInfo(BaseModel):
     # Started with vLLM's priority scheduling (every `brigade replica` is): requests may carry `priority`. A
     # replica without it refuses any priority but 0, so the proxy sends none there.
     priority_scheduling: bool = False
+    # vLLM's --max-num-seqs when the sidecar set it (0 = vLLM's own default, unknown here): the proxy keeps
+    # generation below it so that its control requests always find a free slot.
+    max_num_seqs: int = 0
     beat: int = 0
     heartbeat_at: float = 0.0
 

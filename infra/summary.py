@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from bucket import checkpoints, events
@@ -117,6 +118,7 @@ def summarize(store: Store) -> dict[str, Any]:
         lineage=checkpoints.lineage(store),
         done=read_done(store) is not None,
         evals=[e for e in evs if e["kind"] == events.EVAL],
+        eval_skips=[e for e in evs if e["kind"] == events.EVAL_SKIPPED],
         reward_failures=sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
         first_ts=evs[0]["ts"] if evs else None,
     )
@@ -134,6 +136,7 @@ def run_figures(
     evals: list[dict[str, Any]],
     reward_failures: int,
     first_ts: float | None,
+    eval_skips: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The summary's figures from what was read of the bucket: one definition for `brigade summary` (which reads
     it all at once) and the dashboard (which reads it incrementally), so the page shows what the command prints."""
@@ -168,6 +171,8 @@ def run_figures(
         **learning_figures(evals, steps, reward_failures, first_ts),
     }
     figures["final_evaluation"] = final_evaluation(figures)
+    # Versions that came due for evaluation while one still ran: skipped, so that training never waits on it.
+    figures["evaluations_skipped"] = sorted({int(v) for e in eval_skips for v in e.get("versions", [])})
     return figures
 
 
@@ -210,6 +215,12 @@ def evaluation_notes(summary: dict[str, Any]) -> list[str]:
         acc = c["partial_accuracy"]
         part = "" if acc is None else f": partial accuracy {acc:.3f} on those, not the version's"
         lines.append(f"  evaluation of v{c['version']} {what}{part}")
+    skipped = summary.get("evaluations_skipped") or []
+    if skipped:
+        lines.append(
+            "  not evaluated (an evaluation was still running, or a newer version was already live): "
+            + ", ".join(f"v{v}" for v in skipped)
+        )
     final = max((v["version"] for v in summary.get("versions", [])), default=0)
     if summary.get("final_evaluation") == "not run":
         lines.append(f"  the newest version v{final} was not evaluated")

@@ -13,7 +13,7 @@ The parts, each in its own module:
   shards.py        shard writing and the lead over the trainer (backpressure)
   prompts.py       the prompt dataset and the held-out evaluation set
   sampler.py       prompt order: epochs, seeded shuffles, curriculum, the data cursor in the bucket
-  evaluation.py    greedy held-out accuracy of a version (base, every few versions, final)
+  evaluation.py    greedy held-out accuracy of a version; eval_schedule.py: which (base, every few, final)
 This module runs the loop that ties them together, and the job's entry `run`.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bucket import adapters, events
+from bucket import events
 from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.datacursor import read_data_cursor, write_data_cursor
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
@@ -36,6 +36,7 @@ from bucket.rollouts import SamplingParams, ScoredGroup
 from bucket.store import Store
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
+from rollout_worker.eval_schedule import EvalSchedule
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import Generator
 from rollout_worker.live_adapter import LiveAdapter
@@ -48,7 +49,6 @@ from rollout_worker.shards import ShardOutput
 log = logging.getLogger("brigade.rollout")
 
 MAX_FAILURES_IN_A_ROW = 50
-FINAL_VERSION_WAIT_S = 120.0  # a final load takes seconds; past this the proxy is stuck, and the run must end
 
 
 def dataset_extra(row: dict[str, Any]) -> dict[str, str | int | float]:
@@ -98,8 +98,7 @@ class Worker:
             if len(self.data.eval)
             else None
         )
-        self.eval_task: asyncio.Task[None] | None = None
-        self.evaluated: set[int] = set()
+        self.evals = EvalSchedule(settings, self.evaluator, self.adapters, store, self.ev) if self.evaluator else None
         self.tasks: dict[asyncio.Task[ScoredGroup], Ticket] = {}
         self.unconsumed = 0  # groups written or in flight that the trainer has not read (metrics)
         self.unwritten: list[tuple[ScoredGroup, Ticket]] = []  # scored, not yet in a shard
@@ -155,7 +154,8 @@ class Worker:
                     if await asyncio.to_thread(self.finished):
                         break
                     await self._poll()
-                    self._maybe_evaluate()
+                    if self.evals is not None:
+                        self.evals.maybe_start()
                 self._start_groups()
                 if not self.tasks:
                     if self._reached_max_groups() or self.sampler.exhausted():
@@ -163,10 +163,13 @@ class Worker:
                     await self._pause()
                     continue
                 await self._collect_finished()
-            await self._final_evaluation()
+            if self.evals is not None:
+                for task in self.tasks:  # the trainer is done: rollouts in flight would only slow the evaluation
+                    task.cancel()
+                await self.evals.final()
         finally:
-            if self.evaluator is not None and self.eval_task is not None:
-                await self.evaluator.cut(self.eval_task)  # one in progress is cut, and what it judged recorded
+            if self.evals is not None:
+                await self.evals.cut()  # one in progress is cut, and what it judged recorded
             await self.adapters.stop()
             self._stop()
 
@@ -201,55 +204,6 @@ class Worker:
                 return
             ticket, row = nxt
             self.tasks[asyncio.create_task(self.generate_group(row))] = ticket
-
-    # -- held-out evaluation ------------------------------------------------------------------
-    def _maybe_evaluate(self) -> None:
-        """Evaluate the base model, then every `eval_every_versions` versions, beside generation (one at a time)."""
-        if self.evaluator is None or (self.eval_task is not None and not self.eval_task.done()):
-            return
-        version = self.adapters.version
-        if 0 not in self.evaluated:  # the base model first, whatever version generation already uses
-            version = 0
-        elif not (self.rc.eval_every_versions and version - max(self.evaluated) >= self.rc.eval_every_versions):
-            return
-        self.eval_task = asyncio.create_task(self._evaluate(version))
-
-    async def _evaluate(self, version: int) -> None:
-        assert self.evaluator is not None
-        self.evaluated.add(version)
-        # The proxy keeps the version loaded while the evaluation's requests name it.
-        model = self.adapters.model_name(version)
-        await self.evaluator.run(self.ev, version, model, self.rc.eval_timeout_s or None)
-
-    async def _final_evaluation(self) -> None:
-        """At the end of the run: the newest version (the trainer's final one) is evaluated before the worker exits,
-        within `eval_timeout_s` like any evaluation, so it never holds the end of the run for longer."""
-        if self.evaluator is None:
-            return
-        for task in self.tasks:  # the trainer is done: rollouts still in flight would only slow the evaluation
-            task.cancel()
-        await self._await_final_version()
-        if self.eval_task is not None:
-            # shielded: a stop signal lands in run()'s `finally`, which cuts the evaluation and records it
-            await asyncio.shield(self.eval_task)
-        if self.adapters.version not in self.evaluated:
-            self.eval_task = asyncio.create_task(self._evaluate(self.adapters.version))
-            await asyncio.shield(self.eval_task)
-
-    async def _await_final_version(self) -> None:
-        """The trainer's final version is the one to evaluate: wait (bounded) until the proxy serves it."""
-        try:
-            latest = await asyncio.to_thread(adapters.latest_version, self.store)
-        except Exception as exc:  # noqa: BLE001 - the evaluation then takes the newest version served
-            log.warning("could not read adapters/LATEST.json (%s: %s)", type(exc).__name__, exc)
-            return
-        if latest is not None and not await self.adapters.wait_for(latest, FINAL_VERSION_WAIT_S):
-            log.warning(
-                "the proxy did not serve the final version %s within %.0fs; evaluating %s instead",
-                latest.folder,
-                FINAL_VERSION_WAIT_S,
-                self.adapters.version.folder,
-            )
 
     async def _pause(self) -> None:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not
@@ -326,8 +280,8 @@ class Worker:
     def _stop(self) -> None:
         for task in self.tasks:
             task.cancel()
-        if self.eval_task is not None:
-            self.eval_task.cancel()
+        if self.evals is not None:
+            self.evals.cancel()
         # Groups already scored are written, not dropped, when the worker stops.
         self._flush(force=True)
         self.scorer.close()

@@ -30,6 +30,7 @@ from proxy.lora_paths import error_message
 from proxy.replicas.upstream import Upstream
 from proxy.serving.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
 from proxy.serving.pool import UpstreamError
+from proxy.serving.slots import PrioritySlots
 from proxy.state import ProxyState
 
 log = logging.getLogger("brigade.proxy")
@@ -92,18 +93,23 @@ class Forwarder:
         self.send = send
         self.on_failure = on_failure
         self._slots = asyncio.Semaphore(state.config.max_inflight)
-        self._replica_slots: dict[str, asyncio.Semaphore] = {}
+        self._replica_slots: dict[str, PrioritySlots] = {}
         self._lease: asyncio.TimerHandle | None = None
         self.waiting = 0
         self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
         self.upstream_errors: dict[str, int] = {}
         self.broken_answers = 0
 
-    def _replica_slot(self, rid: str) -> asyncio.Semaphore:
-        sem = self._replica_slots.get(rid)
-        if sem is None:
-            sem = self._replica_slots[rid] = asyncio.Semaphore(self.state.config.replica_max_inflight)
-        return sem
+    def _replica_slot(self, rid: str) -> PrioritySlots:
+        slots = self._replica_slots.get(rid)
+        if slots is None:
+            config, info = self.state.config, self.state.routable.get(rid)
+            capacity = config.replica_max_inflight
+            if info is not None and info.max_num_seqs > config.control_slots:
+                # the rest of its sequence slots stay free for control requests (slots.py says why)
+                capacity = min(capacity, info.max_num_seqs - config.control_slots)
+            slots = self._replica_slots[rid] = PrioritySlots(capacity)
+        return slots
 
     # -- generation ----------------------------------------------------------------------------
     def _route(self, payload: dict[str, Any], tokens: list[int] | None, text: str | None, tried: set[str]):
@@ -175,6 +181,8 @@ class Forwarder:
         state, router = self.state, self.state.router
         tried: set[str] = set()
         stale_retried: set[str] = set()
+        request_priority = payload.get("priority")
+        request_priority = request_priority if type(request_priority) is int else 0
         while True:
             decision = self._route(payload, tokens, text, tried)
             if decision is None:
@@ -186,7 +194,7 @@ class Forwarder:
             router.start(decision)
             rslot = self._replica_slot(rid)
             try:
-                await rslot.acquire()
+                await rslot.acquire(request_priority)
             except BaseException:
                 router.finish(decision)
                 raise

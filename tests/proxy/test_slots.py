@@ -1,0 +1,86 @@
+"""The proxy holds a saturated replica's queue, in priority order, and keeps a slot free for control requests.
+
+The slot gate alone first, then through the proxy with a fake replica (test_proxy_fanout.py's) that keeps
+its requests in flight until told: vLLM cannot be made to hold a chosen request for as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bucket import priority
+from bucket.replicas import ReplicaInfo, register
+from proxy.serving.slots import PrioritySlots
+from tests.proxy.test_proxy_fanout import FakeReplica, config, running
+
+
+def test_a_freed_slot_goes_to_the_lowest_priority_value_then_the_earliest():
+    async def body() -> list[str]:
+        slots, order = PrioritySlots(1), []
+        await slots.acquire()
+
+        async def want(name: str, p: int) -> None:
+            await slots.acquire(p)
+            order.append(name)
+            await asyncio.sleep(0.01)
+            slots.release()
+
+        tasks = []
+        for name, p in (("eval", 10), ("gen-1", 0), ("gen-2", 0), ("gone", -5), ("control", -10)):
+            tasks.append(asyncio.create_task(want(name, p)))
+            await asyncio.sleep(0.01)  # arrival order
+        tasks[3].cancel()  # a client that left while waiting gives up its place
+        await asyncio.sleep(0.01)
+        assert slots.waiting == 4 and slots.locked()
+        slots.release()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert slots.taken == 0 and slots.waiting == 0
+        return order
+
+    assert asyncio.run(body()) == ["control", "gen-1", "gen-2", "eval"]
+
+
+def test_generation_waits_in_the_proxy_once_a_replica_runs_max_num_seqs_minus_the_control_slot(run_store):
+    store, manifest = run_store
+    fake = FakeReplica("r0")
+    register(
+        store,
+        ReplicaInfo(
+            replica_id="r0",
+            url="http://r0",
+            adapter_root="/a",
+            base_model=manifest.base_model,
+            block_size=16,
+            max_loras=4,
+            started_at=time.time(),
+            priority_scheduling=True,
+            max_num_seqs=3,
+        ),
+    )
+
+    async def body() -> list[int]:
+        cfg = config([], refresh_s=0.05, replica_timeout_s=30, control_slots=1)
+        async with running(store, manifest, cfg, [fake], adapter_root="/a") as (proxy, client, _):
+            for _ in range(100):
+                if "r0" in proxy.routable:
+                    break
+                await asyncio.sleep(0.05)
+            fake.hold = asyncio.Event()
+
+            def ask(p: int, tag: int) -> asyncio.Task:
+                body = {"model": "base", "prompt": [tag, tag + 1], "max_tokens": 2, "priority": p}
+                return asyncio.create_task(client.post("/v1/completions", json=body))
+
+            running_now = [ask(priority.GENERATION, 100), ask(priority.GENERATION, 200)]
+            queued = [ask(priority.EVALUATION, 300)]
+            await asyncio.sleep(0.1)
+            queued.append(ask(priority.GENERATION, 400))  # arrives later, runs before the evaluation
+            await asyncio.sleep(0.3)
+            assert fake.generated() == 2, "more than max_num_seqs - control_slots reached the replica"
+            fake.hold.set()
+            for r in await asyncio.gather(*running_now, *queued):
+                assert r.status_code == 200, r.text
+        return [b["prompt"][0] for kind, b in fake.calls if kind == "completions"]
+
+    assert asyncio.run(body()) == [100, 200, 400, 300]
