@@ -95,6 +95,7 @@ class RunData:
         self.replica_events: list[dict[str, Any]] = []  # sidecars' started / stopped, the proxy's membership
         self.routing: list[dict[str, Any]] = []  # the proxy's routing snapshots
         self.evals: list[dict[str, Any]] = []  # held-out accuracy per evaluated version, by ts
+        self.eval_skips: list[dict[str, Any]] = []  # versions that came due while an evaluation ran
         self.reward_failures = 0
         self.first_ts: float | None = None
         self.last_ts: float | None = None
@@ -155,6 +156,8 @@ class RunData:
             self.kinds[kind] += 1
             if kind == events.EVAL:
                 bisect.insort(self.evals, e, key=lambda x: x["ts"])
+            elif kind == events.EVAL_SKIPPED:
+                self.eval_skips.append(e)
             elif kind == events.REWARD_FAILED:
                 self.reward_failures += 1
             elif kind not in DRAWN_KINDS:
@@ -292,6 +295,7 @@ class RunData:
             lineage=self.lineage,
             done=self.done is not None,
             evals=self.evals,
+            eval_skips=self.eval_skips,
             reward_failures=self.reward_failures,
             first_ts=self.first_ts,
         )

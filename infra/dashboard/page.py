@@ -156,7 +156,13 @@ def figures(s: dict[str, Any]) -> str:
             + _metric("accuracy_curve", s.get("accuracy_curve", []), str(len(s.get("accuracy_curve", []))))
             + " evaluations, "
             + _metric("evaluations_cut", s.get("evaluations_cut", []), str(len(s.get("evaluations_cut", []))))
-            + " cut; final version's: "
+            + " cut, "
+            + _metric(
+                "evaluations_skipped",
+                s.get("evaluations_skipped", []),
+                str(len(s.get("evaluations_skipped", []))),
+            )
+            + " skipped; final version's: "
             + _metric("final_evaluation", s.get("final_evaluation"), str(s.get("final_evaluation") or "-")),
         )
         + fig(
