@@ -165,22 +165,39 @@ class StickyOracle:
         self.inflight[handle] -= 1
 
 
-def simulate(policy_name: str, n_replicas: int, args: argparse.Namespace, n_per_group: bool = False) -> dict[str, Any]:
+def simulate(
+    policy_name: str, n_replicas: int, args: argparse.Namespace, n_per_group: bool = False, arrival: str = "together"
+) -> dict[str, Any]:
     rng = random.Random(args.seed)
+    arrivals = random.Random(args.seed + 1)  # spread positions: the trace itself stays the same
     replicas = [Replica(f"r{i}", args.kv_block, args.kv_blocks) for i in range(n_replicas)]
     by_id = {r.rid: r for r in replicas}
     policy = {"brigade": BrigadePolicy, "round_robin": RoundRobin, "sticky_oracle": StickyOracle}[policy_name](replicas)
     G = args.group_size
     groups_total = args.rollouts // G
     groups_in_flight = args.inflight // G
+    spread = arrival == "spread"
     started = 0
     done_groups = 0
+    admitted = 0  # requests sent so far (spread: the clock of the arrival order)
+    inflight = 0
     now = 0.0
     served_by: dict[int, set[str]] = {}
     pending: dict[int, int] = {}
+    waiting: list[tuple[float, int, int, Any]] = []  # spread: (arrival key, seq, group, request) not yet sent
     decisions = {NEW: 0, PREFIX_HIT: 0, SPILL: 0}
     ideal = 0
     latencies: list[float] = []
+
+    def send(g: int, name: str, tokens: list[int], blocks: list[int], n: int, lens: list[int]) -> None:
+        nonlocal admitted, inflight
+        admitted += 1
+        inflight += 1
+        rid, kind, handle = policy.route(name, tokens, g, n, 3000)
+        decisions[kind] += 1
+        served_by[g].add(rid)
+        req = {"group": g, "lengths": lens, "handle": handle, "t0": now, "left": n}
+        by_id[rid].admit(now, req, blocks, len(tokens), n)
 
     def start_group() -> None:
         nonlocal started, ideal
@@ -197,14 +214,28 @@ def simulate(policy_name: str, n_replicas: int, args: argparse.Namespace, n_per_
         sends = [(1, lengths[i : i + 1]) for i in range(G)] if not n_per_group else [(G, lengths)]
         pending[g] = len(sends)
         for n, lens in sends:
-            rid, kind, handle = policy.route(name, tokens, g, n, 3000)
-            decisions[kind] += 1
-            served_by[g].add(rid)
-            req = {"group": g, "lengths": lens, "handle": handle, "t0": now, "left": n}
-            by_id[rid].admit(now, req, blocks, len(tokens), n)
+            if spread:
+                # Each request lands somewhere among the next `inflight` sends, between other groups' requests.
+                key = admitted + arrivals.random() * args.inflight
+                heapq.heappush(waiting, (key, len(waiting) + admitted, g, (name, tokens, blocks, n, lens)))
+            else:
+                send(g, name, tokens, blocks, n, lens)
 
-    for _ in range(min(groups_in_flight, groups_total)):
-        start_group()
+    def admit_spread() -> None:
+        # A rollout worker with `inflight` n=1 requests in flight and every group's requests queued, interleaved.
+        while inflight < args.inflight:
+            while len(waiting) < args.inflight and started < groups_total:
+                start_group()
+            if not waiting:
+                return
+            _, _, g, item = heapq.heappop(waiting)
+            send(g, *item)
+
+    if spread:
+        admit_spread()
+    else:
+        for _ in range(min(groups_in_flight, groups_total)):
+            start_group()
     while done_groups < groups_total:
         r = min(replicas, key=lambda x: x.next_finish())
         t = r.next_finish()
@@ -217,13 +248,16 @@ def simulate(policy_name: str, n_replicas: int, args: argparse.Namespace, n_per_
             req["left"] -= 1
             latencies.append(now - req["t0"])
             if req["left"] == 0:
+                inflight -= 1
                 policy.finish(req["handle"], length)
                 g = req["group"]
                 pending[g] -= 1
                 if pending[g] == 0:
                     done_groups += 1
-                    if started < groups_total:
+                    if not spread and started < groups_total:
                         start_group()
+        if spread:
+            admit_spread()
     total = sum(decisions.values())
     served = [r.served for r in replicas]
     lat = sorted(latencies)
