@@ -18,6 +18,7 @@ import pytest
 
 from bucket import Store
 from bucket.manifest import RunSpec, init_or_check
+from infra.s3server import listen_ports
 from tests.helpers import (
     LOCAL_RUN_STALENESS,
     LOCAL_RUN_STEPS,
@@ -214,7 +215,7 @@ def local_run(tmp_path_factory, model_dir):
         "--rollout.proxy-url",
         f"http://127.0.0.1:{proxy_port}",
         "--local.base-port",
-        str(free_port()),
+        str(listen_ports(2)),  # both replicas' ports free (free_port() + 1 may be taken by another process)
         "--rollout.eval-size",  # a small held-out set: the base, every 2 versions and the final one
         "16",
         "--rollout.eval-every-versions",

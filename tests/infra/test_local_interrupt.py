@@ -23,6 +23,7 @@ import time
 
 from bucket import adapters
 from bucket.store import Store
+from infra.s3server import listen_ports
 from tests.helpers import REPO_ROOT, brigade_local, free_port, host_timeout
 
 
@@ -117,7 +118,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
         "--rollout.proxy-url",
         f"http://127.0.0.1:{proxy_port}",
         "--local.base-port",
-        str(free_port()),
+        str(listen_ports(2)),
         "--trainer.metrics-port",
         str(free_port()),
         "--rollout.metrics-port",
@@ -191,7 +192,7 @@ def test_the_wall_limit_stops_everything_and_still_writes_the_summary(tmp_path, 
         model_dir,
         *("--local.num-replicas", "1", "--trainer.max-steps", "100", "--local.max-wall-s", str(max_wall_s)),
         *("--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}"),
-        *("--local.base-port", str(free_port()), "--trainer.metrics-port", str(free_port())),
+        *("--local.base-port", str(listen_ports(2)), "--trainer.metrics-port", str(free_port())),
         *("--rollout.metrics-port", str(free_port())),
     )
     out = tmp_path / "out.txt"
