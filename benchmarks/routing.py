@@ -2,11 +2,20 @@
 
     python -m benchmarks.routing --json
 
-The trace: 12,000 n=1 rollouts in groups of 8, each group's 8 requests sent
-together; prompts of 40-200 tokens after a 23-token shared template; 128
-requests in flight (16 groups: a group starts when one finishes); completion
-lengths lognormal(0, 1) x 300 clipped to [16, 3000]; a new adapter version
-(a new routing/cache namespace) every 512 rollouts started.
+The trace: 12,000 n=1 rollouts in groups of 8; prompts of 40-200 tokens
+after a 23-token shared template; completion lengths lognormal(0, 1) x 300
+clipped to [16, 3000]; a new adapter version (a new routing/cache namespace)
+every 512 rollouts started. Two arrival patterns:
+
+* `together` (the top-level keys, `by_replicas`, `n_per_group`, `baselines`):
+  each group's 8 requests are sent together, 16 groups (128 requests) in
+  flight, a group starting when one finishes.
+* `spread` (under `spread`, at 2, 4 and 16 replicas): what a rollout worker
+  sending n=1 requests with bounded concurrency produces. 128 requests in
+  flight, a new one sent as soon as one finishes, from a queue in which each
+  request of a new group lands at a random place among the next 128 sends
+  (seeded): siblings arrive one by one with other groups' requests between
+  them, some after the first ones finished.
 
 Simulated replicas batch like vLLM: every running sequence advances one token
 per decode step, a step taking `STEP_S + PER_SEQ_S x running`, so a request's
@@ -21,10 +30,10 @@ group's prompt is computed once and its 7 siblings compute only what lies
 past the last whole block), `group_split` (groups served by more than one
 replica), `affinity` / `unmatched` / `spill` (the router's decisions),
 `max_over_mean_load` (most requests on one replica / mean per replica), and
-the same for 2, 4 and 16 replicas under `by_replicas`; `n_per_group` runs
-one n=8 request per group instead. `baselines` runs round robin and a sticky
-oracle (each group on the replica with the fewest requests in flight when it
-starts, never moved) on the same trace.
+the same for 2, 4 and 16 replicas under `by_replicas` (and `spread`);
+`n_per_group` runs one n=8 request per group instead. `baselines` runs round
+robin and a sticky oracle (each group on the replica with the fewest requests
+in flight when it starts, never moved) on the same trace.
 """
 
 from __future__ import annotations
@@ -184,7 +193,7 @@ def simulate(
     now = 0.0
     served_by: dict[int, set[str]] = {}
     pending: dict[int, int] = {}
-    waiting: list[tuple[float, int, int, Any]] = []  # spread: (arrival key, seq, group, request) not yet sent
+    waiting: list[tuple[float, int, int, Any]] = []  # spread: (arrival key, group, index, request) not sent
     decisions = {NEW: 0, PREFIX_HIT: 0, SPILL: 0}
     ideal = 0
     latencies: list[float] = []
@@ -213,11 +222,11 @@ def simulate(
         served_by[g] = set()
         sends = [(1, lengths[i : i + 1]) for i in range(G)] if not n_per_group else [(G, lengths)]
         pending[g] = len(sends)
-        for n, lens in sends:
+        for i, (n, lens) in enumerate(sends):
             if spread:
                 # Each request lands somewhere among the next `inflight` sends, between other groups' requests.
                 key = admitted + arrivals.random() * args.inflight
-                heapq.heappush(waiting, (key, len(waiting) + admitted, g, (name, tokens, blocks, n, lens)))
+                heapq.heappush(waiting, (key, g, i, (name, tokens, blocks, n, lens)))
             else:
                 send(g, name, tokens, blocks, n, lens)
 
@@ -228,7 +237,7 @@ def simulate(
                 start_group()
             if not waiting:
                 return
-            _, _, g, item = heapq.heappop(waiting)
+            _, g, _, item = heapq.heappop(waiting)
             send(g, *item)
 
     if spread:
@@ -291,6 +300,7 @@ def main() -> None:
     result: dict[str, Any] = {"replicas": args.replicas, "rollouts": args.rollouts, "seed": args.seed}
     result.update(simulate("brigade", args.replicas, args))
     result["by_replicas"] = {n: simulate("brigade", n, args) for n in (2, 4, 16)}
+    result["spread"] = {n: simulate("brigade", n, args, arrival="spread") for n in (2, 4, 16)}
     result["n_per_group"] = simulate("brigade", args.replicas, args, n_per_group=True)
     if not args.no_baselines:
         result["baselines"] = {p: simulate(p, args.replicas, args) for p in ("round_robin", "sticky_oracle")}

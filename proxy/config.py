@@ -20,7 +20,8 @@ class ProxyConfig(BaseModel):
         8,
         ge=1,
         description="A group moves to the least-loaded replica when its replica, not counting the group itself, is "
-        "this many requests' worth of outstanding tokens ahead of it.",
+        "this many requests' worth of outstanding tokens ahead of it, beyond the siblings the group still expects "
+        "(n=1 requests: a new group reserves room for them; n=G requests: exactly this many).",
     )
     max_inflight: int = Field(1024, ge=1, description="Requests in flight across all replicas; more wait.")
     control_slots: int = Field(

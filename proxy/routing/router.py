@@ -6,11 +6,15 @@ adapter and every token up to the end of that block.
 Three rules, in order:
 
 * **Groups stay whole.** The siblings of a GRPO group (same adapter, same
-  prompt tokens) are one *group*: the first one places it, the others follow
-  to the same replica by construction, as long as that replica is within its
-  load allowance counted without the group's own requests. When it is not,
-  the group moves as a unit (a spill); a spill never rewrites who owns the
-  prompt's blocks, so later prompts sharing them still go where they are.
+  prompt tokens) are one *group*: the first one places it and reserves there
+  the load of the siblings expected (groups.py), the others follow, one by
+  one among other groups' requests or all at once, as long as that replica,
+  counted without the group's own requests (in flight and expected), is less
+  than `spill_threshold` requests' worth ahead of the least-loaded beyond
+  room for one more group's siblings (a replica that just took a group is
+  that far ahead at once). When it is not, the group moves as a unit (a
+  spill); a spill never rewrites who owns the prompt's blocks, so later
+  prompts sharing them still go where they are.
 * **A new group goes where its prefix is,** if some replica holds a whole
   earlier prompt that this one continues (a multi-turn conversation), beyond
   the blocks that distinct prompts share (the chat template, the system
@@ -27,10 +31,12 @@ Three rules, in order:
   oldest are forgotten as homes.
 * **Otherwise the least-loaded replica,** load being outstanding tokens (the
   uncached part of the prompt plus the completion expected, learned from
-  answers), not requests: completion lengths are long-tailed. Among the
-  replicas within `spill_threshold` requests' worth of the least-loaded one,
-  the one given the fewest requests so far wins, so that over a run every
-  replica serves its share even when some drew longer completions.
+  answers, and the siblings' reservations), not requests: completion lengths
+  are long-tailed. Among the replicas within `spill_threshold` requests'
+  worth of the least-loaded one, less a group's expected siblings (at least
+  a quarter of it), the one given the fewest requests so far wins, so that
+  over a run every replica serves its share even when some drew longer
+  completions.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from proxy.routing.groups import Groups
 from proxy.routing.prefix_hashes import text_keys, token_keys
 
 PREFIX_HIT = "prefix_hit"
@@ -48,6 +55,7 @@ DECISION_KINDS = (PREFIX_HIT, NEW, SPILL)
 
 DEFAULT_COMPLETION_TOKENS = 256.0  # expected completion length before any answer taught the router
 EMA_WEIGHT = 0.02
+PLACEMENT_SLACK = 0.25  # least share of spill_threshold a new group may be placed above the least-loaded
 
 
 @dataclass(slots=True)
@@ -58,14 +66,6 @@ class Decision:
     cost: float = 1.0  # outstanding tokens this request adds to the replica's load
     group: int | None = None  # the group key (same adapter, same prompt)
     cached_tokens: int = 0  # prompt tokens the chosen replica is expected to hold already
-
-
-class _Group:
-    __slots__ = ("replica", "load")
-
-    def __init__(self, replica: str) -> None:
-        self.replica = replica
-        self.load = 0.0  # outstanding tokens of this group's requests in flight on `replica`
 
 
 class PrefixRouter:
@@ -92,9 +92,10 @@ class PrefixRouter:
         # link -> [replica that holds it, distinct prompts that contained it, whether a prompt's chain ended there];
         # least recently used first
         self._links: OrderedDict[int, list] = OrderedDict()
-        self._groups: OrderedDict[int, _Group] = OrderedDict()
         self._inflight: dict[str, int] = {}
-        self._load: dict[str, float] = {}  # outstanding tokens
+        self._total_inflight = 0
+        self._load: dict[str, float] = {}  # outstanding tokens, siblings' reservations included (groups.py)
+        self._groups = Groups(self._load, max_groups)
         self._kv_block: dict[str, int] = {}  # each replica's KV block size
         self._capacity: dict[str, int] = {}  # routing links each replica's KV cache holds (absent: unbounded)
         self._owned: dict[str, OrderedDict[int, None]] = {}  # links each bounded replica holds, oldest first
@@ -136,6 +137,7 @@ class PrefixRouter:
             self._kv_block[rid] = sizes.get(rid, self._kv_block.get(rid, self.block_size))
         removed = set(self._order) - set(wanted)
         for rid in removed:
+            self._total_inflight -= self._inflight.get(rid, 0)
             for table in (
                 self._inflight,
                 self._load,
@@ -149,7 +151,7 @@ class PrefixRouter:
         if removed:
             # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
             self._links = OrderedDict((h, v) for h, v in self._links.items() if v[0] not in removed)
-            self._groups = OrderedDict((k, g) for k, g in self._groups.items() if g.replica not in removed)
+            self._groups.forget_replicas(removed)
         self._order = wanted
 
     # -- state, for status and metrics --------------------------------------------------------
@@ -160,8 +162,9 @@ class PrefixRouter:
         return {rid: self._inflight[rid] for rid in self._order}
 
     def load_all(self) -> dict[str, float]:
-        """Outstanding tokens per replica."""
-        return {rid: self._load[rid] for rid in self._order}
+        """Outstanding tokens per replica (of the requests in flight: without the siblings' reservations)."""
+        reserved = self._groups.reserved
+        return {rid: max(0.0, self._load[rid] - reserved.get(rid, 0.0)) for rid in self._order}
 
     def known_blocks(self) -> int:
         return len(self._links)
@@ -179,11 +182,12 @@ class PrefixRouter:
         if rid not in self._inflight:
             return
         self._inflight[rid] += 1
+        self._total_inflight += 1
         self._assigned[rid] += 1
         self._load[rid] += cost
-        g = self._groups.get(group) if group is not None else None
+        g = self._groups.get(group)
         if g is not None and g.replica == rid:
-            g.load += cost
+            self._groups.started(g, cost)
 
     def finish(self, d: Decision | str, completion_tokens: int | None = None) -> None:
         rid, cost, group = (d, self._unit_cost(), None) if isinstance(d, str) else (d.replica, d.cost, d.group)
@@ -191,8 +195,9 @@ class PrefixRouter:
             self.completion_tokens += EMA_WEIGHT * (completion_tokens - self.completion_tokens)
         if self._inflight.get(rid, 0) > 0:
             self._inflight[rid] -= 1
+            self._total_inflight -= 1
             self._load[rid] = max(0.0, self._load[rid] - cost)
-        g = self._groups.get(group) if group is not None else None
+        g = self._groups.get(group)
         if g is not None and g.replica == rid:
             g.load = max(0.0, g.load - cost)
 
@@ -219,7 +224,9 @@ class PrefixRouter:
                 low = self._load[r]
         if low is None:
             return None
-        near = low + self.spill_threshold * self._unit_cost()
+        # Near: leaves a group placed there room for the siblings that other groups placed later bring.
+        window = max(PLACEMENT_SLACK * self.spill_threshold, self.spill_threshold - self._groups.siblings)
+        near = low + window * self._unit_cost()
         choice, best = None, None
         for r in self._order:
             if r in excluded or self._load[r] > near:
@@ -279,6 +286,8 @@ class PrefixRouter:
         max_tokens: int | None,
     ) -> Decision | None:
         excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        groups = self._groups
+        groups.expire(self._total_inflight)
         loads = [self._load[r] for r in self._order if r not in excluded]
         if not loads:
             return None
@@ -288,11 +297,11 @@ class PrefixRouter:
         decode = n * expected
         unit = self.block_size  # tokens per routing link (text links: about the same)
 
-        g = self._groups.get(group)
+        g = groups.lookup(group)
         if g is not None and g.replica in self._load:
-            # A sibling: follow the group while its replica is within its allowance (counted without the group).
-            self._groups.move_to_end(group)
-            if g.replica not in excluded and self._fits(g.replica, g.load, low):
+            # A sibling: follows while its replica, without the group's requests (in flight or expected), fits.
+            slack = groups.siblings * self._unit_cost()
+            if g.replica not in excluded and self._fits(g.replica, g.load + g.reserved, low + slack):
                 cached = min(self._cached(g.replica, prompt_tokens), max(prompt_tokens - 1, 0))
                 self.decisions[PREFIX_HIT] += 1
                 return Decision(g.replica, PREFIX_HIT, 0, decode + prompt_tokens - cached, group, cached)
@@ -300,7 +309,7 @@ class PrefixRouter:
             if rid is None:  # pragma: no cover (loads is not empty)
                 return None
             if rid != g.replica:
-                g.replica, g.load = rid, 0.0  # the rest of the group follows; block owners stay
+                groups.move(g, rid)  # the rest of the group follows; block owners stay
                 self.decisions[SPILL] += 1
                 return Decision(rid, SPILL, 0, decode + prompt_tokens, group, 0)
             self.decisions[PREFIX_HIT] += 1
@@ -342,10 +351,8 @@ class PrefixRouter:
         cached = min(cached, max(prompt_tokens - 1, 0))
         self._remember(links, rid, own=kind != SPILL)
         self._template_links[text] = self._count_template(links)
-        entry_group = _Group(rid)
-        self._groups[group] = entry_group
-        if len(self._groups) > self.max_groups:
-            self._groups.popitem(last=False)
+        sibling_cached = min(self._cached(rid, prompt_tokens), max(prompt_tokens - 1, 0))
+        groups.add(group, rid, decode + prompt_tokens - sibling_cached)
         self.decisions[kind] += 1
         return Decision(rid, kind, matched, decode + prompt_tokens - cached, group, cached)
 

@@ -99,6 +99,8 @@ def test_template_only_match_is_not_a_hit():
 
 def test_spill_to_least_loaded_when_preferred_is_far_ahead():
     r = router(("r0", "r1"), spill_threshold=3)
+    for i in range(20):  # single-request groups: no siblings expected, so no room kept for them
+        r.route_tokens("m", prompt(100 + i))
     home = r.route_tokens("m", prompt(1)).replica
     other = "r1" if home == "r0" else "r0"
     for _ in range(2):
@@ -277,3 +279,109 @@ def test_prefixes_a_replica_has_likely_evicted_are_no_home(kv_block, kv_blocks, 
     for i in (2, 3, 4):
         r.route_tokens("m", prompt(i, 64))
     assert r.route_tokens("m", prompt(1, 64) + list(range(40))).kind == kind
+
+
+def teach_group_size(r: PrefixRouter, size: int, groups: int = 12) -> None:
+    """Groups of `size` requests, each started and finished: the router learns the size, no load is left."""
+    for i in range(groups):
+        for _ in range(size):
+            d = r.route_tokens("m", prompt(500 + i))
+            r.start(d)
+            r.finish(d)
+    assert round(r._groups.expected_size) == size
+    assert all(v < 1e-6 for v in r._groups.reserved.values())
+
+
+def spread_rollouts(r: PrefixRouter, groups: int, size: int, inflight: int, seed: int) -> dict[int, set[str]]:
+    """A rollout worker sending each group as `size` n=1 requests, `inflight` at a time, every request of a new group
+    queued at a random place among the next `inflight` sends; completions long-tailed. Returns each group's
+    replicas."""
+    rng = random.Random(seed)
+    queue: list[tuple[float, int]] = []  # (arrival key, group)
+    running: list[tuple[float, object]] = []  # (finish time, decision)
+    served: dict[int, set[str]] = {}
+    started = sent = 0
+    now = 0.0
+    while started < groups or queue or running:
+        while len(running) < inflight and (queue or started < groups):
+            while len(queue) < inflight and started < groups:
+                queue += [(sent + rng.random() * inflight, started) for _ in range(size)]
+                started += 1
+            queue.sort()
+            _, g = queue.pop(0)
+            d = r.route_tokens("m", prompt(g), max_tokens=2000)
+            r.start(d)
+            sent += 1
+            served.setdefault(g, set()).add(d.replica)
+            running.append((now + min(20.0, rng.lognormvariate(0, 1)), d))
+        running.sort(key=lambda x: x[0])
+        now, d = running.pop(0)
+        r.finish(d)
+    return served
+
+
+def test_siblings_arriving_one_by_one_among_other_groups_stay_together():
+    """n=1 siblings interleaved with other groups' requests, some after the first ones finished (issue 19): the
+    group's siblings are expected on its replica (reserved there), so no replica piles up groups still to come,
+    and every group stays whole while every replica serves its share."""
+    for replicas in (("r0", "r1"), ("r0", "r1", "r2", "r3")):
+        r = router(replicas)
+        served = spread_rollouts(r, groups=150, size=8, inflight=64, seed=len(replicas))
+        split = [g for g, where in served.items() if len(where) > 1]
+        assert len(split) <= 1, split  # <= 1 % of groups
+        per_replica = Counter(next(iter(where)) for where in served.values())
+        assert max(per_replica.values()) <= 1.15 * len(served) / len(replicas), per_replica
+        assert r.decisions[SPILL] <= 1
+        assert max(r.load_all().values()) < 1e-6 and r.inflight_all() == {rid: 0 for rid in replicas}
+
+
+def test_a_late_sibling_follows_after_its_group_finished_while_loads_are_balanced():
+    r = router(("r0", "r1"), spill_threshold=2)
+    teach_group_size(r, 4)
+    first = r.route_tokens("m", prompt(1))
+    r.start(first)
+    r.finish(first)  # the group's first request ended before any sibling arrived
+    for i in range(6):  # other groups' requests in between, spread by load
+        other = r.route_tokens("m", prompt(10 + i))
+        r.start(other)
+    d = r.route_tokens("m", prompt(1))
+    assert (d.replica, d.kind) == (first.replica, PREFIX_HIT)
+
+
+@pytest.mark.parametrize(("others", "kind"), [(4, PREFIX_HIT), (6, SPILL)])
+def test_a_sibling_moves_once_its_replica_is_over_the_load_bound(others, kind):
+    """Groups of 4 (3 siblings expected): a sibling follows while its replica, without the group, is less than
+    spill_threshold (2) + 3 requests' worth ahead of the least-loaded; past that it moves, its reservation
+    with it, and the rest of the group follows it there."""
+    r = router(("r0", "r1"), spill_threshold=2)
+    teach_group_size(r, 4)
+    first = r.route_tokens("m", prompt(1))
+    r.start(first)
+    home, away = first.replica, "r1" if first.replica == "r0" else "r0"
+    assert r._groups.reserved[home] > 0  # 3 siblings expected there
+    r.finish(first)
+    for _ in range(others):
+        r.start(home)  # other work on the group's replica
+    d = r.route_tokens("m", prompt(1))
+    assert d.kind == kind
+    assert d.replica == (home if kind == PREFIX_HIT else away)
+    r.start(d)
+    if kind == SPILL:
+        assert r._groups.reserved.get(home, 0.0) < 1e-6 and r._groups.reserved[away] > 0
+        follow = r.route_tokens("m", prompt(1))
+        assert (follow.replica, follow.kind) == (away, PREFIX_HIT)
+
+
+def test_reservations_lapse():
+    """A group whose siblings never come does not weigh on its replica for long."""
+    r = router(("r0", "r1"))
+    teach_group_size(r, 8)
+    d = r.route_tokens("m", prompt(1))
+    r.start(d)
+    group = r._groups.get(d.group)
+    assert group.reserved > 0 and r._groups.reserved[d.replica] == pytest.approx(group.reserved)
+    assert r.load_all()[d.replica] == pytest.approx(d.cost)  # reservations are not reported as in flight
+    r.finish(d)
+    for i in range(4):  # more than twice the requests in flight (none), plus 2, routed since
+        r.route_tokens("m", prompt(900 + i))
+    assert group.reserved == 0 and group.expected == 0
