@@ -24,7 +24,7 @@ WORKERS = ("w-two-a", "w-two-b")
 
 
 def test_two_rollout_workers_share_one_proxy_and_no_group_fails_or_mixes_versions(vllm_replicas, model_dir, tmp_path):
-    store, _, manifest = vllm_replicas
+    store, infos, manifest = vllm_replicas
     files = make_adapter_files(model_dir, str(tmp_path / "adapter"), seed=11)
 
     def publish() -> Version:
@@ -86,6 +86,9 @@ def test_two_rollout_workers_share_one_proxy_and_no_group_fails_or_mixes_version
         for w in workers:
             stop(w)
         stop(proxy)
+        for info in infos:  # the session's replicas as this test found them: its versions unloaded
+            for v in published:
+                httpx.post(f"{info.url}/v1/unload_lora_adapter", json={"lora_name": manifest.lora_name(v)}, timeout=60)
 
     for log in logs:
         text = log.read_text()
