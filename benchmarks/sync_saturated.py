@@ -191,7 +191,7 @@ async def measure(bench: Bench, versions: int, tokens: int) -> dict[str, Any]:
     loaded, evals, t0 = [], [], time.monotonic()
     for i in range(versions, 2 * versions):
         loaded.append(await bench.publish_and_wait(i))
-        evals.append(await bench.evaluate())
+        evals.append(await asyncio.wait_for(bench.evaluate(), 600))  # bounded: a starved evaluation fails here
     seconds = time.monotonic() - t0
     stop.set()
     await load

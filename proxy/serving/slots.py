@@ -4,8 +4,11 @@ vLLM orders its *waiting* queue by priority but does not preempt a running seque
 request that arrives while `max-num-seqs` sequences run waits for one of them to end, however urgent.
 The proxy therefore lets at most `max_num_seqs - control_slots` generation requests reach a replica (when
 the replica said its `max_num_seqs`): the control requests (the canary probe after a load) always find a
-free sequence slot there, and everything beyond waits here, lowest priority value first, then in arrival
-order, the same order vLLM would use.
+free sequence slot there, and everything beyond waits here in priority order.
+
+One priority step is worth AGING_S of waiting: a waiter's place is `priority x AGING_S + its arrival time`,
+so an evaluation (priority 10) goes after generation that arrived up to 10 s after it, never starved by a
+replica that generation keeps busy for good; among equal priorities, first come first served.
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
+
+AGING_S = 1.0  # seconds of waiting one priority step is worth
 
 
 class PrioritySlots:
-    """Like asyncio.Semaphore(capacity), but a freed slot goes to the waiter with the lowest priority value."""
+    """Like asyncio.Semaphore(capacity), but a freed slot goes to the waiter first in (aged) priority order."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.taken = 0
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
 
     @property
@@ -36,7 +42,7 @@ class PrioritySlots:
             self.taken += 1  # the common case: a free slot and nobody ahead
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (priority, next(self._order), future)
+        entry = (priority * AGING_S + time.monotonic(), next(self._order), future)
         heapq.heappush(self._waiters, entry)
         try:
             await future
