@@ -35,6 +35,9 @@ class ProxyState:
     # replica -> when it last answered a generation (the passive health signal: a replica that answers is alive,
     # however slow its /health is while it is busy)
     answered_at: dict[str, float] = field(default_factory=dict)
+    # replica -> smoothed seconds from sending a generation to its answer: a replica whose requests take long
+    # (long completions, a full batch) answers rarely, and is busy, not dead, between two answers
+    answer_s: dict[str, float] = field(default_factory=dict)
     # model name -> requests through the proxy naming it, queued or running; and when the last one ended. The
     # lifecycle unloads a version only once nothing has used it for a while (adapters/lifecycle.py).
     using: dict[str, int] = field(default_factory=dict)
@@ -47,6 +50,12 @@ class ProxyState:
 
     def __post_init__(self) -> None:
         self.dispatching.set()
+
+    def answered(self, replica_id: str, sent_at: float) -> None:
+        now = time.monotonic()
+        self.answered_at[replica_id] = now
+        prev = self.answer_s.get(replica_id)
+        self.answer_s[replica_id] = now - sent_at if prev is None else 0.8 * prev + 0.2 * (now - sent_at)
 
     def hold(self, model: str) -> None:
         """A request naming `model` entered the proxy (it counts until `drop`, waiting included)."""

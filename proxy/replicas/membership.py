@@ -226,9 +226,12 @@ class Membership:
         return min(cfg.probe_timeout_max_s, max(cfg.probe_timeout_s, 4 * self.health_latency.get(replica_id, 0.0)))
 
     def busy(self, replica_id: str) -> bool:
-        """Answering generations: alive, whatever its /health says about time (the passive signal comes first)."""
+        """Answering generations: alive, whatever its /health says about time (the passive signal comes first).
+        Recently means within busy_grace_s, or twice the time its generations take to answer when that is longer
+        (a replica full of long completions answers rarely; one that stops answering for longer is not busy)."""
         answered = self.state.answered_at.get(replica_id)
-        return answered is not None and time.monotonic() - answered <= self.state.config.busy_grace_s
+        grace = max(self.state.config.busy_grace_s, 2 * self.state.answer_s.get(replica_id, 0.0))
+        return answered is not None and time.monotonic() - answered <= grace
 
     async def _probe_forever(self) -> None:
         """The active half of ejection: every routable replica's /health, every probe_interval_s."""

@@ -198,6 +198,7 @@ class Forwarder:
             except BaseException:
                 router.finish(decision)
                 raise
+            sent_at = time.monotonic()
             info = state.routable.get(rid)  # read after any wait: it may have left or been ejected meanwhile
             try:
                 if info is None:
@@ -222,7 +223,7 @@ class Forwarder:
                 router.finish(decision)
                 raise
             break
-        state.answered_at[rid] = time.monotonic()  # it answered: alive, however slow its /health
+        state.answered(rid, sent_at)  # it answered: alive, however slow its /health
 
         def done(ok: bool) -> None:
             rslot.release()
