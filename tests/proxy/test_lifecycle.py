@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 from bucket import adapters, events
 from bucket.manifest import RunSpec, init_or_check
-from bucket.replicas import ReplicaInfo, register
 from bucket.version import Version
-from tests.proxy.test_proxy_fanout import ADAPTER_FILES, FakeReplica, config, running
+from tests.proxy.test_proxy_fanout import ADAPTER_FILES, FakeReplica, config, register_fake, running
 
 ROOT = "/replica/adapters"
 
@@ -100,19 +99,10 @@ def test_a_mirrored_replica_is_sent_a_load_only_once_its_registry_lists_the_vers
     store, manifest = window_run(local_store)
     fake = FakeReplica("r0")
 
-    def info(mirrored: list[int]) -> ReplicaInfo:
-        return ReplicaInfo(
-            replica_id="r0",
-            url="http://r0",
-            adapter_root="/mirror",
-            base_model=manifest.base_model,
-            block_size=16,
-            max_loras=4,
-            started_at=1.0,
-            mirrored=[Version(v) for v in mirrored],
-        )
+    def mirror_holds(versions: list[int]) -> None:
+        register_fake(store, manifest, "r0", "/mirror", started_at=1.0, mirrored=[Version(v) for v in versions])
 
-    register(store, info([]))
+    mirror_holds([])
 
     async def body():
         cfg = config([], watch_adapters=True, refresh_s=0.05, replica_timeout_s=30)
@@ -122,7 +112,7 @@ def test_a_mirrored_replica_is_sent_a_load_only_once_its_registry_lists_the_vers
             await asyncio.sleep(0.6)
             assert not [c for c in fake.calls if c[0] == "load"], "a load was sent before the mirror had it"
             assert (await client.get("/live_adapters")).json()["loading"] == 1
-            register(store, info([1]))  # the sidecar's mirror copied v000001
+            mirror_holds([1])  # the sidecar's mirror copied v000001
             await until(lambda: manifest.lora_name(1) in fake.loaded, "v1 loaded")
             assert (await client.get("/live_adapters")).json()["newest"] == 1
 
@@ -134,19 +124,7 @@ def test_a_mirrored_replica_is_sent_a_load_only_once_its_registry_lists_the_vers
 def test_a_mirror_that_never_gets_the_version_fails_the_load_with_what_it_holds(local_store):
     store, manifest = window_run(local_store)
     fake = FakeReplica("r0")
-    register(
-        store,
-        ReplicaInfo(
-            replica_id="r0",
-            url="http://r0",
-            adapter_root="/mirror",
-            base_model=manifest.base_model,
-            block_size=16,
-            max_loras=4,
-            started_at=1.0,
-            mirrored=[],
-        ),
-    )
+    register_fake(store, manifest, "r0", "/mirror", started_at=1.0, mirrored=[])
 
     async def body():
         cfg = config([], watch_adapters=True, refresh_s=0.05, replica_timeout_s=30, mirror_wait_s=0.3)

@@ -9,11 +9,9 @@ replicas in tests/proxy/test_proxy_vllm.py.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from bucket import priority
-from bucket.replicas import ReplicaInfo, register
-from tests.proxy.test_proxy_fanout import FakeReplica, config, running
+from tests.proxy.test_proxy_fanout import FakeReplica, config, register_fake, running
 
 
 def completions_bodies(fake: FakeReplica) -> list[dict]:
@@ -23,19 +21,7 @@ def completions_bodies(fake: FakeReplica) -> list[dict]:
 def test_a_replica_without_priority_scheduling_gets_no_priority_and_one_with_it_does(run_store):
     store, manifest = run_store
     plain, prioritised = FakeReplica("r0"), FakeReplica("r1")
-    register(
-        store,
-        ReplicaInfo(
-            replica_id="r1",
-            url="http://r1",
-            adapter_root="/a",
-            base_model=manifest.base_model,
-            block_size=16,
-            max_loras=4,
-            started_at=time.time(),
-            priority_scheduling=True,
-        ),
-    )
+    register_fake(store, manifest, "r1", priority_scheduling=True)
 
     async def body():
         # r0 from a static list (it says nothing about its scheduling), then r1 alone from the registry

@@ -225,6 +225,22 @@ async def running(
             yield proxy, client, transport
 
 
+def register_fake(store: Store, manifest: Any, name: str, adapter_root: str = "/a", **fields: Any) -> ReplicaInfo:
+    """Register fake replica `name` in the bucket's registry as its sidecar would (fields: what it says of itself)."""
+    info = ReplicaInfo(
+        replica_id=name,
+        url=f"http://{name}",
+        adapter_root=adapter_root,
+        base_model=manifest.base_model,
+        block_size=16,
+        max_loras=4,
+        started_at=fields.pop("started_at", time.time()),
+        **fields,
+    )
+    register(store, info)
+    return info
+
+
 def load_body(manifest: Any, version: int) -> dict[str, Any]:
     return {"lora_name": manifest.lora_name(version), "lora_path": Version(version).key}
 

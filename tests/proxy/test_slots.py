@@ -7,12 +7,10 @@ its requests in flight until told: vLLM cannot be made to hold a chosen request 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from bucket import priority
-from bucket.replicas import ReplicaInfo, register
 from proxy.serving.slots import PrioritySlots
-from tests.proxy.test_proxy_fanout import FakeReplica, config, running
+from tests.proxy.test_proxy_fanout import FakeReplica, config, register_fake, running
 
 
 def test_a_freed_slot_goes_to_the_lowest_priority_value_then_the_earliest():
@@ -44,20 +42,7 @@ def test_a_freed_slot_goes_to_the_lowest_priority_value_then_the_earliest():
 def test_generation_waits_in_the_proxy_once_a_replica_runs_max_num_seqs_minus_the_control_slot(run_store):
     store, manifest = run_store
     fake = FakeReplica("r0")
-    register(
-        store,
-        ReplicaInfo(
-            replica_id="r0",
-            url="http://r0",
-            adapter_root="/a",
-            base_model=manifest.base_model,
-            block_size=16,
-            max_loras=4,
-            started_at=time.time(),
-            priority_scheduling=True,
-            max_num_seqs=3,
-        ),
-    )
+    register_fake(store, manifest, "r0", priority_scheduling=True, max_num_seqs=3)
 
     async def body() -> list[int]:
         cfg = config([], refresh_s=0.05, replica_timeout_s=30, control_slots=1)
