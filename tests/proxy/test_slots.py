@@ -72,10 +72,10 @@ def test_generation_waits_in_the_proxy_once_a_replica_runs_max_num_seqs_minus_th
 
 
 def test_a_waiting_evaluation_is_not_starved_by_generation_that_keeps_arriving(monkeypatch):
-    """One priority step is worth AGING_S of waiting (1 s; 10 ms here, so that the test takes 0.2 s)."""
+    """One priority step is worth AGING_S of waiting (1 s; 100 ms here: the evaluation's 10 steps are 1 s)."""
     from proxy.serving import slots as slots_module
 
-    monkeypatch.setattr(slots_module, "AGING_S", 0.01)
+    monkeypatch.setattr(slots_module, "AGING_S", 0.1)
 
     async def body() -> list[str]:
         slots, order = PrioritySlots(1), []
@@ -87,9 +87,9 @@ def test_a_waiting_evaluation_is_not_starved_by_generation_that_keeps_arriving(m
             slots.release()
 
         evaluation = asyncio.create_task(want("eval", priority.EVALUATION))
-        await asyncio.sleep(0.05)  # less than 10 steps x 10 ms: generation arriving now still goes first
+        await asyncio.sleep(0.05)  # well within its 10 steps x 100 ms: generation arriving now still goes first
         early = asyncio.create_task(want("gen-early", priority.GENERATION))
-        await asyncio.sleep(0.15)  # the evaluation has waited longer than its 10 steps are worth
+        await asyncio.sleep(1.5)  # the evaluation has waited longer than its 10 steps are worth
         late = asyncio.create_task(want("gen-late", priority.GENERATION))
         await asyncio.sleep(0.01)
         slots.release()
