@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from benchmarks.probe_margin import make_adapter
+from benchmarks.proxy_overhead import free_port
 from bucket import adapters, events, priority, replicas
 from bucket.canary import MARKER_FIELD as CANARY_FIELD
 from bucket.manifest import RunSpec, init_or_check
@@ -37,14 +38,6 @@ from bucket.store import Store
 from jobkit.settings import default_model_dir
 
 B_STD = 0.02  # far enough from the base for the probe to decide in one pass (benchmarks/probe_margin.py)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http_ok(url: str) -> bool:
@@ -80,7 +73,7 @@ class Bench:
     def start(self) -> None:
         common = ["--bucket", self.store.url]
         for i in range(2):
-            argv = ["replica", *common, "--replica.model-path", self.model_dir, "--replica.port", str(_free_port())]
+            argv = ["replica", *common, "--replica.model-path", self.model_dir, "--replica.port", str(free_port())]
             argv += ["--replica.replica-id", f"sat-{i}", "--replica.cpu-threads", str(i % (os.cpu_count() or 1))]
             argv += ["--replica.max-num-seqs", str(self.max_num_seqs), "--replica.metrics", "false"]
             argv += ["--replica.kv-cache-gib", "2", "--replica.log-dir", self.tmp]
@@ -92,7 +85,7 @@ class Bench:
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
                 raise RuntimeError(f"the replicas did not register; see the logs in {self.tmp}")
             time.sleep(1)
-        port = _free_port()
+        port = free_port()
         argv = ["proxy", *common, "--proxy.port", str(port), "--proxy.refresh-s", "0.5"]
         argv += ["--proxy.control-slots", "1" if self.use_priority else "0"]
         self._spawn("proxy", argv)

@@ -30,7 +30,6 @@ class LiveAdapter:
     def __init__(self, client: httpx.AsyncClient, manifest: RunManifest) -> None:
         self.client, self.manifest = client, manifest
         self.version = Version(0)  # the base model, until the proxy serves a version of this run
-        self.live: list[Version] = []
         self._watcher: asyncio.Task[None] | None = None
         self._warned = False
 
@@ -76,7 +75,6 @@ class LiveAdapter:
                 f"the proxy serves run {data.get('run_id')!r}, this worker's run is {self.manifest.run_id!r}: "
                 "point rollout.proxy_url at the proxy of this run's bucket"
             )
-        self.live = [Version(v) for v in data.get("versions") or []]
         newest = data.get("newest")
         if newest is not None and Version(newest) > self.version:
             self.version = Version(newest)

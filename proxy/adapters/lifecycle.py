@@ -46,11 +46,9 @@ class AdapterLifecycle:
         self.state, self.fanout, self.events = state, fanout, events
         self.latest: Version | None = None  # the newest committed version seen in the bucket
         self.loading: Version | None = None
-        self.failed_loads = 0
         self._retry_at = 0.0
         self._not_ours: set[Version] = set()  # versions a client imported (it loads and unloads them itself)
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
 
     @property
     def enabled(self) -> bool:
@@ -93,21 +91,13 @@ class AdapterLifecycle:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def poke(self) -> None:
-        """Look again now (a replica joined, a request ended): an unload may have become possible."""
-        self._wake.set()
-
     async def _watch(self) -> None:
         while True:
             try:
                 await self.step()
             except Exception as exc:  # noqa: BLE001 - a bucket hiccup: the next poll reads again
                 log.warning("adapter lifecycle: %s: %s (retrying)", type(exc).__name__, exc)
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.state.config.watch_s)
-            except TimeoutError:
-                pass
+            await asyncio.sleep(self.state.config.watch_s)
 
     async def step(self) -> None:
         """One look: load the newest committed version if it is new, then unload what left the window unused."""
@@ -142,7 +132,6 @@ class AdapterLifecycle:
         finally:
             self.loading = None
         if resp.status_code != 200:
-            self.failed_loads += 1
             self._retry_at = time.monotonic() + RETRY_FAILED_S
             log.warning(
                 "could not load %s (HTTP %d); trying again in %.0fs", ad.lora_name, resp.status_code, RETRY_FAILED_S
