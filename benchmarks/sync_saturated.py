@@ -14,7 +14,7 @@ Keys: idle_p50_s, idle_p95_s, loaded_p50_s, loaded_p95_s (committed -> the proxy
 this machine's one clock), loaded_vs_idle_p95 (goal <= 1.5), probe_wait_p95_s (per replica, the probe's
 part of the load under load), false_ejections (replicas ejected although none failed; goal 0),
 eval_s_per_version, generated_tokens_per_s under load. `--no-priority` runs the replicas first-come-first-
-served and gives generation every slot (the behaviour before priorities), for comparison.
+served and keeps no sequences for the probe (the behaviour before priorities), for comparison.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Bench:
             argv += ["--replica.max-num-seqs", str(self.max_num_seqs), "--replica.metrics", "false"]
             argv += ["--replica.kv-cache-gib", "2", "--replica.log-dir", self.tmp]
             if not self.use_priority:
-                argv += ["--replica.extra-args=--scheduling-policy=fcfs"]
+                argv += ["--replica.extra-args=--scheduling-policy=fcfs", "--replica.control-seqs", "0"]
             self._spawn(f"replica-{i}", argv)
         deadline = time.monotonic() + 600
         while len(replicas.list_replicas(self.store)) < 2:
@@ -87,7 +87,6 @@ class Bench:
             time.sleep(1)
         port = free_port()
         argv = ["proxy", *common, "--proxy.port", str(port), "--proxy.refresh-s", "0.5"]
-        argv += ["--proxy.control-slots", "1" if self.use_priority else "0"]
         self._spawn("proxy", argv)
         self.proxy_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

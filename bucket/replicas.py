@@ -39,9 +39,12 @@ class ReplicaInfo(BaseModel):
     # Started with vLLM's priority scheduling (every `brigade replica` is): requests may carry `priority`. A
     # replica without it refuses any priority but 0, so the proxy sends none there.
     priority_scheduling: bool = False
-    # vLLM's --max-num-seqs when the sidecar set it (0 = vLLM's own default, unknown here): the proxy keeps
-    # generation below it so that its control requests always find a free slot.
+    # Sequences generation may run here at once (0 = vLLM's own default, unknown here: no limit from the
+    # proxy); the proxy holds the rest in its own queue, in priority order. vLLM runs `control_seqs` more,
+    # which only the proxy's control requests (the canary probe after a load) take: they never wait for a
+    # running generation to end.
     max_num_seqs: int = 0
+    control_seqs: int = 0
     beat: int = 0
     heartbeat_at: float = 0.0
 

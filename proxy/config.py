@@ -24,13 +24,6 @@ class ProxyConfig(BaseModel):
         "(n=1 requests: a new group reserves room for them; n=G requests: exactly this many).",
     )
     max_inflight: int = Field(1024, ge=1, description="Requests in flight across all replicas; more wait.")
-    control_slots: int = Field(
-        1,
-        ge=0,
-        description="Sequence slots of each replica kept free for control requests (the canary probe after a load): "
-        "generation and evaluation wait in the proxy, lowest priority value first, once a replica runs its "
-        "max_num_seqs (from its registry entry) minus this many. 0 = every slot to generation.",
-    )
     replica_max_inflight: int = Field(
         512, ge=1, description="Requests in flight on one replica; more wait in that replica's queue."
     )

@@ -32,7 +32,19 @@ class ReplicaConfig(BaseModel):
     )
     max_model_len: int = Field(1024, ge=64, description="Max tokens per sequence.")
     max_num_seqs: int = Field(
-        0, ge=0, description="Sequences vLLM runs at once (--max-num-seqs); 0 = vLLM's default. `brigade plan` sets it."
+        0,
+        ge=0,
+        description="Sequences generation runs here at once (the proxy holds the rest, in priority order); vLLM "
+        "gets --max-num-seqs max_num_seqs + control_seqs. 0 = vLLM's default and no limit from the proxy (a "
+        "canary probe then waits for running generation to end). `brigade plan` sets it.",
+    )
+    control_seqs: int = Field(
+        16,
+        ge=0,
+        description="Sequences vLLM runs beyond max_num_seqs, taken only by the proxy's control requests: the "
+        "canary probe after each load asks this many prompts at a time (proxy.canary_positions, 16, in one go) "
+        "and never waits behind generation. Each lives for one step (a prefill and one token). Only with "
+        "max_num_seqs set.",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (--tensor-parallel-size; GPU only).")
     cpu_threads: str = Field(

@@ -267,6 +267,7 @@ class Replica:
                 mirrored=self.mirror.mirrored() if self.mirror is not None else None,
                 priority_scheduling=scheduling_policy(plan.argv) == "priority",
                 max_num_seqs=self.rc.max_num_seqs,
+                control_seqs=self.rc.control_seqs if self.rc.max_num_seqs else 0,
             )
             # The started event goes first: once registered, the proxy may load adapters here at once (a
             # registration write that S3 applied and answered 500 to is seen during its retry), and a started

@@ -134,7 +134,7 @@ def plan_server(rc: ReplicaConfig, manifest: RunManifest, cpu: bool) -> ServerPl
         "priority",
     ]
     if rc.max_num_seqs:
-        argv += ["--max-num-seqs", str(rc.max_num_seqs)]
+        argv += ["--max-num-seqs", str(rc.max_num_seqs + rc.control_seqs)]
     dtype = ("float32" if cpu else "") if rc.dtype == "auto" else rc.dtype
     if dtype:
         argv += ["--dtype", dtype]

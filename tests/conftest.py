@@ -159,6 +159,10 @@ def vllm_replicas(tmp_path_factory, model_dir):
                     str(root / "logs"),
                     "--replica.metrics-port",
                     str(free_port()),
+                    # generation's sequences (vLLM runs control_seqs, 16, more for the probe): what
+                    # tests/proxy/test_under_load.py saturates
+                    "--replica.max-num-seqs",
+                    "16",
                 )
             )
         deadline = time.monotonic() + 420

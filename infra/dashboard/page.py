@@ -120,7 +120,11 @@ def figures(s: dict[str, Any]) -> str:
         + fig(
             "adapter versions",
             _metric("adapter_versions", s["adapter_versions"], str(s["adapter_versions"])),
-            "sync p50 " + _metric("sync_p50_s", s["sync_p50_s"], _f(s["sync_p50_s"], ".2f")) + " s",
+            "sync p50 "
+            + _metric("sync_p50_s", s["sync_p50_s"], _f(s["sync_p50_s"], ".2f"))
+            + " s, p95 "
+            + _metric("sync_p95_s", s.get("sync_p95_s"), _f(s.get("sync_p95_s"), ".2f"))
+            + " s",
         )
         + fig(
             "rollout groups written",

@@ -46,7 +46,7 @@ def render(data: RunData, versions: int = 6) -> Group:
     figures.add_row(
         f"versions {s['adapter_versions']} published, {len(loaded)} loaded everywhere",
         f"last sync {_f(loaded[-1]['commit_to_all_loaded_s'] if loaded else last, '.2f')} s",
-        f"sync p50 {_f(s['sync_p50_s'], '.2f')} s",
+        f"sync p50 {_f(s['sync_p50_s'], '.2f')} s, p95 {_f(s.get('sync_p95_s'), '.2f')} s",
         f"groups {s['groups_written']} written, {s['groups_trained']} trained",
     )
     stages = Table("version", "step", *(f"{x} s" for x in SHORT), "loaded on", box=None)

@@ -220,7 +220,8 @@ def _gpu_reasons(shape: RunShape, sp: Split, given_to_trainer: int) -> tuple[str
         f"tensor-parallel size {sp.tensor_parallel}: the smallest whose replica holds {holds} "
         f"({sp.rollouts_per_replica} rollouts); replicas get every other GPU, since decoding dominates a GRPO step",
         f"{count(sp.inflight_groups, 'group')} in flight, at most one optimizer step ahead so rollouts stay fresh; "
-        f"--max-num-seqs {sp.max_num_seqs} per replica, so vLLM never admits more than its KV cache holds",
+        f"{sp.max_num_seqs} generation sequences per replica (replica.max_num_seqs), so generation never takes "
+        "more than its KV cache holds; vLLM runs replica.control_seqs more, for the proxy's probe",
     )
 
 

@@ -137,6 +137,14 @@ def ranked_positions(canary: Canary) -> list[int]:
     return sorted(range(len(gap)), key=lambda j: -gap[j])
 
 
+def probe_batches(positions: list[int], at_once: int) -> list[list[int]]:
+    """The requests that ask `positions`: no more prompts each than the replica keeps sequences for control
+    requests (`at_once`; 0 = all in one), since beyond those they would wait for running generation to end
+    (proxy/serving/slots.py). One request's prompts share the canary's prefix, which vLLM computes once."""
+    step = at_once or len(positions) or 1
+    return [positions[i : i + step] for i in range(0, len(positions), step)]
+
+
 class CanaryProbe:
     """Probes one replica for one version, and repairs a replica that fails once."""
 
@@ -164,9 +172,10 @@ class CanaryProbe:
         answers: dict[int, float] = {}
         asked = 0
         while True:
-            failure = await self._ask(info, ad, canary, ranked[asked:width], answers)
-            if failure is not None:
-                return failure
+            for positions in probe_batches(ranked[asked:width], info.control_seqs):
+                failure = await self._ask(info, ad, canary, positions, answers)
+                if failure is not None:
+                    return failure
             asked = width
             if len(answers) < max(1, asked // 2):
                 return ProbeVerdict(False, "no_answer", reason="the canary answer lacks the logprobs of its tokens")

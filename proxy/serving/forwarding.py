@@ -103,11 +103,10 @@ class Forwarder:
     def _replica_slot(self, rid: str) -> PrioritySlots:
         slots = self._replica_slots.get(rid)
         if slots is None:
-            config, info = self.state.config, self.state.routable.get(rid)
-            capacity = config.replica_max_inflight
-            if info is not None and info.max_num_seqs > config.control_slots:
-                # the rest of its sequence slots stay free for control requests (slots.py says why)
-                capacity = min(capacity, info.max_num_seqs - config.control_slots)
+            capacity, info = self.state.config.replica_max_inflight, self.state.routable.get(rid)
+            if info is not None and info.max_num_seqs:
+                # its vLLM runs control_seqs more, kept for control requests (slots.py says why)
+                capacity = min(capacity, info.max_num_seqs)
             slots = self._replica_slots[rid] = PrioritySlots(capacity)
         return slots
 
@@ -183,6 +182,8 @@ class Forwarder:
         stale_retried: set[str] = set()
         request_priority = payload.get("priority")
         request_priority = request_priority if type(request_priority) is int else 0
+        n = payload.get("n")
+        sequences = n if type(n) is int and n > 0 else 1
         while True:
             decision = self._route(payload, tokens, text, tried)
             if decision is None:
@@ -194,7 +195,7 @@ class Forwarder:
             router.start(decision)
             rslot = self._replica_slot(rid)
             try:
-                await rslot.acquire(request_priority)
+                await rslot.acquire(request_priority, sequences)
             except BaseException:
                 router.finish(decision)
                 raise
@@ -205,7 +206,7 @@ class Forwarder:
                     raise UpstreamError("the replica left", retryable=True, connect=True)
                 ex = await self.send(info, path, body if info.priority_scheduling else without_priority(body, payload))
             except UpstreamError as exc:
-                rslot.release()
+                rslot.release(sequences)
                 router.finish(decision)
                 self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
                 if exc.reused and rid not in stale_retried:
@@ -219,14 +220,14 @@ class Forwarder:
                 self.on_failure(rid, str(exc))
                 continue
             except BaseException:
-                rslot.release()
+                rslot.release(sequences)
                 router.finish(decision)
                 raise
             break
         state.answered(rid, sent_at)  # it answered: alive, however slow its /health
 
         def done(ok: bool) -> None:
-            rslot.release()
+            rslot.release(sequences)
             release_global()
             router.finish(decision, completion_tokens(ex.tail) if ok and ex.length is not None else None)
             if not ok:

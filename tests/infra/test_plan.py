@@ -269,7 +269,7 @@ def test_brigade_plan_for_smollm2_on_cpu_writes_a_run_config_brigade_local_runs_
     out = tmp_path / "plan.toml"
     assert cli.main(["plan", "--model", model_dir, "--out", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "22.5 KiB" in table and "--max-num-seqs 16 --max-model-len 528" in table
+    assert "22.5 KiB" in table and "--max-num-seqs 32 --max-model-len 528" in table  # 16 + 16 for the probe
     config = load(path=str(out))  # exactly how `brigade local --config plan.toml` reads it
     assert (config.local.num_replicas, config.rollout.max_inflight_groups) == (2, 4)
     assert (config.replica.max_num_seqs, config.replica.max_model_len, config.replica.kv_cache_gib) == (16, 528, 1.0)
@@ -363,7 +363,8 @@ def test_the_replica_flags_a_plan_emits_are_accepted_by_the_installed_vllm(model
     parsed = json.loads(done.stdout.split("RESULT", 1)[1])
     for plan, args in zip(plans, parsed):
         flags = dict(zip(plan.replica_flags[::2], plan.replica_flags[1::2]))
-        assert args["max_num_seqs"] == plan.split.max_num_seqs == int(flags["--max-num-seqs"])
+        control = plan.config.replica.control_seqs  # vLLM runs these beyond generation's, for the probe
+        assert args["max_num_seqs"] == plan.split.max_num_seqs + control == int(flags["--max-num-seqs"])
         assert args["max_model_len"] == plan.shape.sequence_tokens
         assert args["max_loras"] == plan.shape.max_staleness + 2 and args["max_lora_rank"] == 1
         if not plan.hardware.cpu:

@@ -91,3 +91,62 @@ def test_near_base_off_and_the_reasons():
     assert initial.ok and initial.result == "near_base", initial  # admitted, but never counted as a pass
     undecided = judge(*_draw(rng, gap=0.03, share=0.3, noise=0.05), cfg, REF)
     assert not undecided.ok and undecided.result == "inconclusive" and "not admitted" in undecided.reason
+
+
+def test_the_probe_asks_no_more_prompts_at_a_time_than_the_replica_keeps_for_control():
+    """A replica runs control_seqs sequences beyond generation's: more prompts at once would wait for a running
+    generation to end. The stand-in upstream answers like vLLM with the trainer's adapter logprobs (the answer's
+    content is test_proxy_vllm.py's subject; here only the request sizes are)."""
+    import asyncio
+
+    import httpx
+
+    from bucket.canary import Canary
+    from bucket.replicas import ReplicaInfo
+    from proxy.adapters.probe import CanaryProbe
+
+    rng = random.Random(3)
+    completion = list(range(100, 140))
+    base = [-rng.uniform(0.2, 3.0) for _ in completion]
+    canary = Canary(
+        prompt_ids=[1, 2, 3],
+        completion_ids=completion,
+        adapter_logprobs=[b + rng.choice((-0.3, 0.3)) for b in base],
+        base_logprobs=base,
+    )
+    sizes: list[int] = []
+
+    class Upstream:
+        async def post(self, info, path, body, timeout):  # noqa: ANN001 - the stand-in's own signature
+            sizes.append(len(body["prompt"]))
+            assert body["priority"] < 0, "the probe goes ahead of generation"
+            choices = []
+            for i, prompt in enumerate(body["prompt"]):
+                nxt = completion[len(prompt) - 3]
+                lp = canary.adapter_logprobs[len(prompt) - 3]
+                choices.append({"index": i, "logprobs": {"top_logprobs": [{f"token_id:{nxt}": lp}]}})
+            return httpx.Response(200, json={"choices": choices})
+
+    class State:
+        config = ProxyConfig(canary_positions=16)
+
+    def info(control_seqs: int) -> ReplicaInfo:
+        return ReplicaInfo(
+            replica_id="r",
+            url="http://r",
+            adapter_root="/a",
+            base_model="m",
+            block_size=16,
+            max_loras=4,
+            started_at=0.0,
+            priority_scheduling=True,
+            max_num_seqs=8 if control_seqs else 0,
+            control_seqs=control_seqs,
+        )
+
+    probe = CanaryProbe(State(), Upstream(), events=None)  # type: ignore[arg-type]
+    ref = AdapterRef("run-v000004", Version(4), canary)
+    verdict = asyncio.run(probe.probe(info(5), ref))
+    assert verdict.result == "pass" and sizes == [5, 5, 5, 1]
+    sizes.clear()
+    assert asyncio.run(probe.probe(info(0), ref)).result == "pass" and sizes == [16]  # no reserve: all in one

@@ -1,4 +1,4 @@
-"""The proxy holds a saturated replica's queue, in priority order, and keeps a slot free for control requests.
+"""The proxy holds a saturated replica's queue in priority order, counting sequences (n), within max_num_seqs.
 
 The slot gate alone first, then through the proxy with a fake replica (test_proxy_fanout.py's) that keeps
 its requests in flight until told: vLLM cannot be made to hold a chosen request for as long as a test needs.
@@ -39,13 +39,13 @@ def test_a_freed_slot_goes_to_the_lowest_priority_value_then_the_earliest():
     assert asyncio.run(body()) == ["control", "gen-1", "gen-2", "eval"]
 
 
-def test_generation_waits_in_the_proxy_once_a_replica_runs_max_num_seqs_minus_the_control_slot(run_store):
+def test_generation_waits_in_the_proxy_once_a_replica_runs_its_max_num_seqs(run_store):
     store, manifest = run_store
     fake = FakeReplica("r0")
-    register_fake(store, manifest, "r0", priority_scheduling=True, max_num_seqs=3)
+    register_fake(store, manifest, "r0", priority_scheduling=True, max_num_seqs=2, control_seqs=1)
 
     async def body() -> list[int]:
-        cfg = config([], refresh_s=0.05, replica_timeout_s=30, control_slots=1)
+        cfg = config([], refresh_s=0.05, replica_timeout_s=30)
         async with running(store, manifest, cfg, [fake], adapter_root="/a") as (proxy, client, _):
             for _ in range(100):
                 if "r0" in proxy.routable:
@@ -62,7 +62,7 @@ def test_generation_waits_in_the_proxy_once_a_replica_runs_max_num_seqs_minus_th
             await asyncio.sleep(0.1)
             queued.append(ask(priority.GENERATION, 400))  # arrives later, runs before the evaluation
             await asyncio.sleep(0.3)
-            assert fake.generated() == 2, "more than max_num_seqs - control_slots reached the replica"
+            assert fake.generated() == 2, "more than max_num_seqs generation requests reached the replica"
             fake.hold.set()
             for r in await asyncio.gather(*running_now, *queued):
                 assert r.status_code == 200, r.text
@@ -97,3 +97,34 @@ def test_a_waiting_evaluation_is_not_starved_by_generation_that_keeps_arriving(m
         return order
 
     assert asyncio.run(body()) == ["gen-early", "eval", "gen-late"]
+
+
+def test_a_request_of_n_completions_takes_n_sequences_and_is_not_overtaken_by_smaller_ones():
+    async def body() -> list[str]:
+        slots, order = PrioritySlots(4), []
+        await slots.acquire(n=3)
+        assert slots.taken == 3
+
+        async def want(name: str, n: int) -> None:
+            await slots.acquire(0, n)
+            order.append(name)
+
+        group = asyncio.create_task(want("group-of-4", 4))
+        await asyncio.sleep(0.01)
+        single = asyncio.create_task(want("single", 1))  # one sequence is free, but the group is ahead
+        await asyncio.sleep(0.01)
+        assert order == [] and slots.waiting == 2
+        slots.release(3)
+        await group
+        assert order == ["group-of-4"] and slots.taken == 4
+        slots.release(4)
+        await single
+        huge = asyncio.create_task(want("larger-than-the-replica", 9))  # runs alone, never waits forever
+        await asyncio.sleep(0.01)
+        assert slots.waiting == 1
+        slots.release(1)
+        await huge
+        assert slots.taken == 4
+        return order
+
+    assert asyncio.run(body()) == ["group-of-4", "single", "larger-than-the-replica"]
