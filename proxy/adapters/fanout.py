@@ -26,8 +26,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from bucket import adapters, events, layout
 from bucket.canary import read_canary
+from bucket.replicas import ReplicaInfo
 from proxy.adapters import adapter_import
-from proxy.adapters.probe import CanaryProbe
+from proxy.adapters.probe import CanaryProbe, ProbeVerdict
 from proxy.errors import error_response
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef, BadAdapterPath, NotAVersionFolder, version_of
@@ -155,20 +156,30 @@ class AdapterFanout:
             if not targets:
                 return error_response(503, "no replica is available to load the adapter on")
             deadline = time.monotonic() + state.config.load_retry_s
-            results = await asyncio.gather(*(self.upstream.load_on(r, ad, deadline) for r in targets))
+
+            async def load_and_probe(info: ReplicaInfo) -> tuple[ReplicaResult, float, ProbeVerdict | None]:
+                # Each replica is probed as soon as it answers its load, while the others still load: the fan-out
+                # takes the slowest load + probe, not the slowest load plus the slowest probe.
+                res = await self.upstream.load_on(info, ad, deadline)
+                answered = res.done_at  # the load itself, before any probe
+                if not res.ok or ad.canary is None:
+                    return res, answered, None
+                verdict = await self.prober.probe_and_repair(info, ad)
+                if verdict.ok:
+                    res.done_at = time.monotonic()  # a version counts as loaded once its probe passed
+                return res, answered, verdict
+
+            outcomes = await asyncio.gather(*(load_and_probe(r) for r in targets))
+            results = [res for res, _, _ in outcomes]
             failed = [r for r in results if not r.ok]
-            answered = {r.replica: r.done_at for r in results}  # the load itself, before any probe
+            answered = {res.replica: at for res, at, _ in outcomes}
             rolled_back: list[ReplicaResult] = []
             probe_failed: dict[str, str] = {}
             if not failed and ad.canary is not None:
-                # A version counts as loaded once the replica's canary logprobs match it (probe included in timings).
-                # All replicas at once, while they keep serving: the load takes the slowest probe, not their sum.
-                verdicts = await asyncio.gather(*(self.prober.probe_and_repair(r, ad) for r in targets))
+                verdicts = [v for _, _, v in outcomes if v is not None]
                 probe_failed = {t.replica_id: v.reason for t, v in zip(targets, verdicts) if not v.ok}
                 undecided = {t.replica_id for t, v in zip(targets, verdicts) if v.result == "inconclusive"}
                 now = time.monotonic()
-                for r in results:
-                    r.done_at = now if r.replica not in probe_failed else r.done_at
                 if undecided or len(probe_failed) == len(targets):
                     # Inconclusive is never a pass, and not the replica's fault either (the version is too close
                     # to the base for its noise): the version is refused everywhere and nobody is ejected.
