@@ -92,17 +92,24 @@ def writers(store: Store, prefix: str) -> list[str]:
     return [w for w in store.list(prefix) if _WRITER_RE.match(w)]
 
 
-def read_after(store: Store, prefix: str, cursors: dict[str, int], limit: int | None = None) -> list[Record]:
+def read_after(
+    store: Store,
+    prefix: str,
+    cursors: dict[str, int],
+    limit: int | None = None,
+    among: list[str] | None = None,
+) -> list[Record]:
     """Records after each writer's cursor (cursor = last seq already read, -1 for none), in order per writer.
 
     `limit` caps the records read *per writer*, so one busy writer cannot
-    starve the others.
+    starve the others. `among`: only these writers (default: every writer
+    under `prefix`, listed once).
 
     Writers write sequentially and each write is atomic, so the records after a
     cursor are contiguous: reading stops at the first missing number.
     """
     out: list[Record] = []
-    for writer in writers(store, prefix):
+    for writer in writers(store, prefix) if among is None else among:
         seq = cursors.get(writer, -1) + 1
         present: set[int] = set()
         listed: set[int] = set()

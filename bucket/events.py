@@ -51,6 +51,8 @@ class EventKind(StrEnum):
     EVAL = "eval"  # rollout worker or `brigade eval`: greedy held-out accuracy of one version (0 = base)
     CURRICULUM = "curriculum_level"  # rollout worker: training prompts moved to another difficulty level
     REWARD_FAILED = "reward_failed"  # rollout worker: a reward function raised or timed out (rewards None)
+    # proxy: the replica count it asks for, or the count serving, changed (desired, actual, reason, signals)
+    DESIRED_REPLICAS = "desired_replicas"
 
 
 # Module-level names, so call sites read `events.PUBLISHED`.
@@ -76,6 +78,7 @@ EVAL = EventKind.EVAL
 EVAL_SKIPPED = EventKind.EVAL_SKIPPED
 CURRICULUM = EventKind.CURRICULUM
 REWARD_FAILED = EventKind.REWARD_FAILED
+DESIRED_REPLICAS = EventKind.DESIRED_REPLICAS
 
 
 def default_writer(job: str) -> str:
@@ -115,3 +118,28 @@ def read_all(store: Store) -> list[dict[str, Any]]:
     """Every event of the run, oldest first (for summaries, dashboards and tests)."""
     events = [r.body for r in appendlog.read_after(store, layout.EVENTS, {})]
     return sorted(events, key=lambda e: e["ts"])
+
+
+class EventTail:
+    """The events appended since the previous `read()`, for a job that follows a run as it goes (the proxy's
+    autoscaler reads the trainer's steps and the rollout workers' shards this way).
+
+    Incremental, like every append-log reader: one listing of the writers, then per writer only the records
+    after its cursor. The first read starts each writer `tail` records before its end, so a job started late
+    in a long run does not read the whole history; a writer that appears later is read from its first record.
+    `skip`: writers never read (the follower's own).
+    """
+
+    def __init__(self, store: Store, tail: int = 100, skip: frozenset[str] = frozenset()):
+        self.store, self.tail, self.skip = store, tail, skip
+        self.cursors: dict[str, int] | None = None  # None until the first read
+
+    def read(self, limit: int | None = 1000) -> list[dict[str, Any]]:
+        """New events, oldest first per writer (at most `limit` per writer and call: the rest come next time)."""
+        names = [w for w in appendlog.writers(self.store, layout.EVENTS) if w not in self.skip]
+        if self.cursors is None:
+            self.cursors = {w: max(-1, appendlog.last_seq(self.store, layout.EVENTS, w) - self.tail) for w in names}
+        records = appendlog.read_after(self.store, layout.EVENTS, self.cursors, limit, among=names)
+        for r in records:
+            self.cursors[r.writer] = r.seq
+        return [r.body for r in records]

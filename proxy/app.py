@@ -55,6 +55,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.replicas.membership import Membership
 from proxy.replicas.upstream import Upstream
 from proxy.routing.router import PrefixRouter
+from proxy.scaling.autoscaler import Autoscaler, Load
 from proxy.serving.forwarding import Forwarder, SendGeneration
 from proxy.serving.pool import ReplicaConnections
 from proxy.state import ProxyState
@@ -119,6 +120,7 @@ class Proxy:
             on_load_failed=self.forwarder.resume,  # a client that paused before a failed load may never resume
         )
         self.lifecycle = AdapterLifecycle(self.state, self.fanout, self.events)
+        self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
         self.admin_token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self._snapshots: asyncio.Task | None = None
 
@@ -147,16 +149,13 @@ class Proxy:
     def static(self) -> bool:
         return self.membership.static
 
-    @property
-    def client(self) -> httpx.AsyncClient:
-        return self.upstream.client
-
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
         self.upstream.open()
         await self.membership.start()
         await self.lifecycle.start()  # after membership: what the replicas already hold is adopted first
         self._snapshots = asyncio.create_task(self._snapshot_forever())
+        await self.autoscaler.start()
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info(
             "proxy up: replicas from %s, %d routable, max_inflight %d (%d per replica); admin endpoints %s",
@@ -168,6 +167,7 @@ class Proxy:
         )
 
     async def close(self) -> None:
+        await self.autoscaler.close()
         if self._snapshots is not None:
             self._snapshots.cancel()
             await asyncio.gather(self._snapshots, return_exceptions=True)
@@ -304,7 +304,13 @@ class Proxy:
             "ejected": len(m.ejected),
             "replicas": len(self.routable),
             "known": len(self.routable) + len(m.joining),
+            "desired": self.autoscaler.desired,
         }
+
+    def _load(self) -> Load:
+        """What the autoscaler takes from the proxy itself at each look."""
+        inflight = sum(self.router.inflight_all().values())
+        return Load(len(self.routable), len(self.membership.joining), inflight, self.forwarder.waiting)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

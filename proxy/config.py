@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class ProxyConfig(BaseModel):
@@ -108,6 +108,56 @@ class ProxyConfig(BaseModel):
     snapshot_s: float = Field(
         5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
     )
+    # The desired replica count (proxy/scaling/, docs/autoscaling.md): advice for whatever starts and stops
+    # replicas, exported as brigade_proxy_desired_replicas and as desired_replicas events.
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas the desired count ever asks for.")
+    max_replicas: int = Field(
+        0, ge=0, description="Most replicas the desired count ever asks for (0 = no bound: advice only)."
+    )
+    scale_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="How often the desired replica count is reconsidered (reads the trainer's steps, the shards' "
+        "events and trainer/progress.json from the bucket); 0 = off: no gauge, no event, no reads.",
+    )
+    scale_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="A signal must hold this long, at every look, before the desired count moves (hysteresis); also "
+        "the span of trainer steps its waiting share is measured over.",
+    )
+    scale_cooldown_s: float = Field(
+        180.0,
+        ge=0,
+        description="After the desired count moves, it stays put this long (a new vLLM replica takes minutes to "
+        "start and serve, and the signals show its effect only then).",
+    )
+    scale_up_wait: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="More replicas when the trainer spent at least this share of its time waiting for rollouts, "
+        "with generations in flight, for all of scale_window_s: in proportion, N / (1 - share), at most doubling.",
+    )
+    scale_down_wait: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="One replica fewer only while the trainer waits at most this share of its time (below "
+        "scale_up_wait: the gap between them is the hysteresis band) and the backlog and idleness below hold.",
+    )
+    scale_down_backlog_steps: float = Field(
+        1.0,
+        ge=0,
+        description="One replica fewer only while the rollout groups written and not yet read by the trainer are at "
+        "least this many optimizer steps' worth (generation is ahead; the workers' max_unconsumed_groups holds them).",
+    )
+    scale_down_inflight: float = Field(
+        1.0,
+        ge=0,
+        description="One replica fewer only while the replicas are idle: on average at most this many requests in "
+        "flight per replica over scale_window_s, and none waiting in the proxy for a slot.",
+    )
     canary_positions: int = Field(
         16,
         ge=1,
@@ -150,3 +200,14 @@ class ProxyConfig(BaseModel):
         description="Served-policy probe: largest mean |logprob| difference per canary token between a replica "
         "and the trainer's adapter before the replica is refused that version.",
     )
+
+    @model_validator(mode="after")
+    def _scaling_bounds(self) -> ProxyConfig:
+        if self.max_replicas and self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+        if self.scale_down_wait >= self.scale_up_wait:
+            raise ValueError(
+                f"scale_down_wait ({self.scale_down_wait}) must be below scale_up_wait ({self.scale_up_wait}): "
+                "the gap is what keeps the desired count from flapping"
+            )
+        return self

@@ -78,6 +78,14 @@ class _Live(ScrapeCollector):
             ),
         ):
             yield family(f"brigade_proxy_{name}", doc, value=value)
+        desired = GaugeMetricFamily(
+            "brigade_proxy_desired_replicas",
+            "Replicas the run should have, from the trainer's waiting, the backlog and the replicas' load "
+            "(docs/autoscaling.md); compare brigade_proxy_replicas.",
+        )
+        if v.get("desired") is not None:  # no sample until a replica is seen (or with the autoscaler off)
+            desired.add_metric([], v["desired"])
+        yield desired
 
 
 class ProxyMetrics(JobMetrics):

@@ -65,8 +65,10 @@ def _train(trainer: Trainer, settings: TrainerConfig, store: Store, dp: DataPara
     started = time.monotonic()
     while trainer.step < settings.max_steps:
         # rank 0 reads the bucket; every rank trains its share of the same batch
+        asked = time.monotonic()
         batch = decode_batch(dp.broadcast_text(encode_batch(next_batch(trainer, store)) if dp.is_main else None))
-        trainer.train_step(batch)
+        # the wait goes into the step's event: the proxy asks for more replicas while the trainer waits
+        trainer.train_step(batch, wait_s=time.monotonic() - asked)
         if dp.is_main and (trainer.step % settings.weight_sync_steps == 0 or trainer.step == settings.max_steps):
             trainer.publish()
 

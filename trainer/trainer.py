@@ -109,8 +109,10 @@ class Trainer:
             return None
         return batch
 
-    def train_step(self, batch: list[tuple[GroupId, ScoredGroup]]) -> dict[str, Any]:
+    def train_step(self, batch: list[tuple[GroupId, ScoredGroup]], wait_s: float = 0.0) -> dict[str, Any]:
         """One optimizer step on whole groups; returns the step's metrics (also written as an event).
+
+        `wait_s`: how long the trainer waited for this batch (`perf/wait_s`, what the proxy's autoscaler reads).
 
         Groups whose rewards are all equal carry no signal: they are set aside before any forward pass
         (recorded in the checkpoint as skipped). The rest are packed into token-budget micro-batches
@@ -150,6 +152,7 @@ class Trainer:
                 "skipped_zero_variance": sum(zero),
                 "sample/staleness_mean": sum(self.version - g.adapter_version for g in groups) / len(groups),
                 "perf/step_s": step_s,
+                "perf/wait_s": wait_s,
                 "perf/micro_batches": len(planned),
                 "perf/tok_s": sum(row_tokens(r) for r in planned) / step_s if step_s > 0 else 0.0,
                 "samples": sum(len(groups[i].samples) for i in keep),

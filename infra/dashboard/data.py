@@ -30,9 +30,11 @@ log = logging.getLogger("brigade.dashboard")
 # The proxy's membership and routing events, by their names (drawn when a proxy writes them).
 MEMBERSHIP_KINDS = frozenset({"replica_admitted", "replica_readmitted", "replica_ejected", "replica_removed"})
 ROUTING_SNAPSHOT = "routing_snapshot"
+DESIRED_REPLICAS = "desired_replicas"  # the proxy's autoscaler: the count it asks for, and the count serving
 # Kinds the dashboard draws; any other kind (a newer job's) is counted and listed, never an error.
 DRAWN_KINDS = (
     frozenset({str(events.TRAIN_STEP), str(events.REPLICA_STARTED), str(events.REPLICA_STOPPED), ROUTING_SNAPSHOT})
+    | {DESIRED_REPLICAS}
     | MEMBERSHIP_KINDS
     | {str(k) for k in VERSION_KINDS}
     | {str(events.SHARD_WRITTEN)}
@@ -94,6 +96,7 @@ class RunData:
         self.unknown: dict[str, list[dict[str, Any]]] = {}  # kind -> its latest events (kinds this code predates)
         self.replica_events: list[dict[str, Any]] = []  # sidecars' started / stopped, the proxy's membership
         self.routing: list[dict[str, Any]] = []  # the proxy's routing snapshots
+        self.scaling: list[dict[str, Any]] = []  # the proxy's desired replica count, as it or the serving one moved
         self.evals: list[dict[str, Any]] = []  # held-out accuracy per evaluated version, by ts
         self.eval_skips: list[dict[str, Any]] = []  # versions that came due while an evaluation ran
         self.reward_failures = 0
@@ -170,6 +173,8 @@ class RunData:
                 bisect.insort(self.replica_events, e, key=lambda x: x["ts"])
             elif kind == ROUTING_SNAPSHOT:
                 _keep(self.routing, e)
+            elif kind == DESIRED_REPLICAS:
+                _keep(self.scaling, e)
 
     def _read_shards(self) -> None:
         reads = read_shards(self.store, self.shard_cursors)

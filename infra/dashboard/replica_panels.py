@@ -91,6 +91,36 @@ def _routing_charts(data: RunData, t0: float) -> list[str]:
     ]
 
 
+def _steps(events_: list[dict[str, Any]], field: str, t0: float, t1: float) -> list[tuple[float, float | None]]:
+    """A count that changes only at its events, as a staircase up to t1."""
+    pts: list[tuple[float, float | None]] = []
+    for e in events_:
+        v = e.get(field)
+        if isinstance(v, int | float):
+            if pts:
+                pts.append((e["ts"] - t0, pts[-1][1]))
+            pts.append((e["ts"] - t0, v))
+    if pts:
+        pts.append((max(t1 - t0, pts[-1][0]), pts[-1][1]))
+    return pts
+
+
+def _scaling_chart(data: RunData, t0: float, t1: float) -> str:
+    """The proxy's desired replica count beside the count serving, and why it last moved (docs/autoscaling.md)."""
+    chart = svg.line_chart(
+        "Replicas: desired by the proxy's autoscaler, and serving",
+        [
+            svg.Series("desired", _steps(data.scaling, "desired", t0, t1), "#2f6fdb"),
+            svg.Series("serving", _steps(data.scaling, "actual", t0, t1), GREEN, dashed=True),
+        ],
+        "seconds since the first event",
+        y_min=0,
+    )
+    moves = [e for e in data.scaling if e.get("moved")]
+    why = f"<p class='muted'>last move: {escape(str(moves[-1].get('reason', '')))}</p>" if moves else ""
+    return f"<div>{chart}{why}</div>"
+
+
 def replica_panels(data: RunData) -> str:
     views = data.replica_views()
     adapters = data.live_adapters()
@@ -129,7 +159,7 @@ def replica_panels(data: RunData) -> str:
         f"<th>failed loads</th></tr>{table}</table>"
         "<p class='muted'>Samples generated per replica come from the shards (the proxy's "
         "<code>x-brigade-replica</code> header); adapter versions loaded, from the proxy's load and unload "
-        "events.</p></div>" + "".join(_routing_charts(data, t0)) + "</div></section>"
+        "events.</p></div>" + _scaling_chart(data, t0, t1) + "".join(_routing_charts(data, t0)) + "</div></section>"
     )
 
 

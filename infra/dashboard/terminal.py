@@ -9,6 +9,7 @@ import time
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -69,7 +70,13 @@ def render(data: RunData, versions: int = 6) -> Group:
             str(data.samples_by_replica.get(r.replica_id, 0)),
         )
     legend = "commit: step done → committed, notice: → detected, request: → fan-out started, fan-out: → loaded on all"
-    return Group(banner, figures, stages, f"[dim]{legend}[/dim]", reps)
+    parts = [banner, figures, stages, f"[dim]{legend}[/dim]", reps]
+    if data.scaling:  # the proxy's autoscaler: the count it asks for beside the count serving
+        last = data.scaling[-1]
+        moves = [e for e in data.scaling if e.get("moved")]
+        why = f" [dim]({escape(str(moves[-1].get('reason', '')))})[/dim]" if moves else ""
+        parts.append(f"replicas: {last.get('actual')} serving, {last.get('desired')} desired{why}")
+    return Group(*parts)
 
 
 def watch(data: RunData, refresh_s: float) -> None:

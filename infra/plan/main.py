@@ -38,6 +38,7 @@ FLAGS: Flags = {
     "trainer": ["groups_per_step", "weight_sync_steps", "beta"],
     "rollout": ["max_completion_length", "max_unconsumed_groups"],
     "replica": ["model_path", "block_size", "kv_cache_gib", "max_loras"],
+    "proxy": ["min_replicas", "max_replicas"],
     "local": ["num_replicas"],
 }
 # Memory per card as sold (GB = 10^9 bytes), for --gpu NAME.
@@ -177,6 +178,8 @@ def planned_config(config: Config, opts: PlanOptions, shape: RunShape, sp: Split
     else:
         c.replica.gpu_memory_utilization = sp.share
     c.local.num_replicas = sp.replicas
+    if "max_replicas" not in config.proxy.model_fields_set:  # the autoscaler's bound: every replica there is room for
+        c.proxy.max_replicas = max(sp.replicas, c.proxy.min_replicas)
     return Config.model_validate(c.model_dump())
 
 

@@ -27,7 +27,7 @@ from infra.plan.sizing import (
     training_state_bytes,
     weight_bytes,
 )
-from infra.plan.split import COLOCATE_SHARE, SERVER_SHARE, Hardware, Split, count
+from infra.plan.split import COLOCATE_SHARE, SERVER_SHARE, Hardware, Split, count, start_replicas
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,14 @@ def figures(plan: Plan) -> dict[str, Any]:
     }
 
 
+def autoscaler(plan: Plan) -> dict[str, int]:
+    """What the plan gives the proxy's autoscaler: the replicas to start with and its bounds (the run config's
+    proxy.min_replicas and proxy.max_replicas; 0 = no upper bound)."""
+    low, high = plan.config.proxy.min_replicas, plan.config.proxy.max_replicas
+    start = start_replicas(plan.split, plan.shape, low, high)
+    return {"start_replicas": start, "min_replicas": low, "max_replicas": high}
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
     """The whole plan: inputs, figures, split, replica flags, and the run config that carries it."""
     return {
@@ -97,6 +105,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "hardware": {**asdict(plan.hardware), "link": asdict(plan.link)},
         "figures": figures(plan),
         "split": asdict(plan.split),
+        "autoscaler": autoscaler(plan),
         "replica_flags": list(plan.replica_flags),
         "replica_env": plan.replica_env,
         "config": plan.config.model_dump(),
@@ -205,6 +214,16 @@ def _sync_rows(plan: Plan, f: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _autoscaler_row(plan: Plan) -> str:
+    a, sp = autoscaler(plan), plan.split
+    high = str(a["max_replicas"]) if a["max_replicas"] else "unbounded"
+    return (
+        f"start {count(a['start_replicas'], 'replica')} (the fewest whose KV cache holds the "
+        f"{count(sp.inflight_groups, 'group')} in flight); the proxy asks for {a['min_replicas']} to {high} "
+        "(proxy.min_replicas, proxy.max_replicas): more while the trainer waits for rollouts, fewer while they pile up"
+    )
+
+
 def _title(plan: Plan) -> str:
     hw, sp = plan.hardware, plan.split
     if hw.cpu:
@@ -222,6 +241,7 @@ def render(plan: Plan, width: int = 118) -> str:
     rows = _model_rows(plan, f) + _run_rows(plan, f) + _inference_rows(plan, f) + _sync_rows(plan, f)
     rows += _labelled("split", [f"{where}: {what}" for where, what in assignments(plan.split)])
     rows += _labelled("  why", plan.split.reasons)
+    rows.append(("autoscaler", _autoscaler_row(plan)))
     rows.append(("replica flags", " ".join(plan.replica_flags)))
     rows += [("", f"env {k}={v}") for k, v in plan.replica_env.items()]
     rows += _labelled("note", plan.notes)

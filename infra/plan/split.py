@@ -77,6 +77,14 @@ class Split:
         return self.rollouts_per_replica * self.replicas
 
 
+def start_replicas(sp: Split, shape: RunShape, low: int, high: int) -> int:
+    """The replicas to start with when the proxy's autoscaler sizes the fleet (docs/autoscaling.md): the fewest
+    whose KV caches hold the groups kept in flight at once, within [low, high]. More only help while the
+    trainer waits for rollouts, which the autoscaler measures and answers by asking for more."""
+    need = math.ceil(sp.inflight_groups * shape.num_generations / max(1, sp.rollouts_per_replica))
+    return min(high, max(low, need)) if high else max(low, need)
+
+
 def check_inputs(arch: ModelArch, shape: RunShape, hw: Hardware) -> None:
     """Inputs that are wrong whatever the hardware: say the nearest valid value."""
     if hw.share and not 0 < hw.share <= 1:

@@ -212,6 +212,20 @@ def test_summary_figures_health_and_unknown_kinds(tmp_path):
     )
 
 
+def test_the_desired_replica_count_is_drawn_beside_the_serving_count_with_why_it_moved(tmp_path):
+    store = synthetic_run(tmp_path / "bucket")
+    _event(store, "proxy-a", "desired_replicas", 100.0, desired=2, actual=2, moved=True, reason="started")
+    _event(store, "proxy-a", "desired_replicas", 104.0, desired=3, actual=2, moved=True, reason="trainer waited")
+    data = RunData(store)
+    data.refresh()
+    html = page.page(data, refresh_s=2)
+    assert "desired by the proxy&#x27;s autoscaler" in html and "last move: trainer waited" in html
+    assert "desired_replicas" not in data.unknown  # drawn, not listed among the kinds the dashboard predates
+    console = Console(record=True, width=120)
+    console.print(terminal.render(data))
+    assert "replicas: 2 serving, 3 desired (trainer waited)" in console.export_text()
+
+
 def test_an_inconclusive_probe_turns_the_banner_red_naming_version_and_replica(tmp_path):
     """The proxy refused v2 because r1's canary answer could not tell it from the base (proxy/adapters/probe.py):
     never a pass, so v2 is live nowhere and the banner says which replica and why, in the proxy's words."""

@@ -295,6 +295,28 @@ def test_plan_json_carries_figures_split_flags_and_the_run_config(tmp_path, caps
     assert json.loads((tmp_path / "plan.json").read_text())["split"] == plan["split"]
 
 
+def test_the_plan_gives_the_autoscaler_a_starting_count_and_its_bounds(tmp_path, capsys):
+    folder = model_folder(str(tmp_path), "Llama-3.1-8B", LLAMA_3_1_8B)
+    argv = ["plan", "--model", folder, "--gpus", "8", "--gpu", "h100", "--rollout.max-completion-length", "4096"]
+    argv += ["--trainer.groups-per-step", "64"]
+    assert cli.main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    sp = plan["split"]
+    # start with the fewest replicas whose KV caches hold the groups in flight; up to every replica there is room for
+    start = math.ceil(sp["inflight_groups"] * 8 / sp["rollouts_per_replica"])
+    assert plan["autoscaler"] == {"start_replicas": start, "min_replicas": 1, "max_replicas": sp["replicas"]}
+    assert 1 < start < sp["replicas"] == plan["config"]["proxy"]["max_replicas"] == 7
+    assert cli.main(argv) == 0
+    assert f"autoscaler        start {start} replicas" in capsys.readouterr().out
+    # a bound the run config sets is kept, and the start stays within it
+    assert cli.main([*argv, "--proxy.max-replicas", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["autoscaler"] == {
+        "start_replicas": 3,
+        "min_replicas": 1,
+        "max_replicas": 3,
+    }
+
+
 def test_invalid_plans_exit_2_with_one_line(capsys):
     assert cli.main(["plan", "--gpus", "2", "--gpu", "h100", "--share", "1.2"]) == 2
     err = capsys.readouterr().err

@@ -101,6 +101,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     assert adapters.committed_versions(store) == [1, 2, 3]
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
     assert abs(steps[0]["ratio"] - 1.0) < 1e-3, steps[0]
+    assert all(e["perf/wait_s"] >= 0 for e in steps)  # what the proxy's autoscaler reads
     _check_metrics_and_events(scraper.scrapes, store, steps)
     first_state = checkpoints.load_latest(store)
     # the trainer reads only what its next step needs: shard 2 is still unread

@@ -1,0 +1,7 @@
+"""How many replicas the run should have: the pure rule (desired.py), the signals it reads from the bucket
+(signals.py), and the loop that looks every `scale_interval_s`, exports the gauge and writes the event
+(autoscaler.py). See docs/autoscaling.md.
+
+May import the top-level basics (state, config, event_writer); never adapters/ or serving/ (what it needs of
+the hot path, the requests in flight and waiting, reaches it as a callback wired in app.py).
+"""
