@@ -125,10 +125,14 @@ class AdapterLifecycle:
             self._not_ours.add(version)
             return
         ad = AdapterRef(version.lora_name(manifest.run_id), version, read_canary(marker))
-        await self.events.emit(events.DETECTED, version=int(version), lora_name=ad.lora_name)
+        received, started_at = time.monotonic(), time.time()
+        # Written beside the load, not before it: with many replicas the loop is busy and a trip off it for the
+        # event held every load back by a turn of the loop.
+        detected = asyncio.create_task(self.events.emit(events.DETECTED, version=int(version), lora_name=ad.lora_name))
         self.loading = version
         try:
-            resp = await self.fanout.load_ref(ad, time.monotonic(), time.time())
+            resp = await self.fanout.load_ref(ad, received, started_at)
+            await detected
         finally:
             self.loading = None
         if resp.status_code != 200:
