@@ -13,6 +13,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -67,6 +68,13 @@ class LaunchConfig(BaseModel):
         "",
         description="Node label whose value is the GPU kind (e.g. nvidia.com/gpu.product); "
         "empty = no node selector, any GPU node.",
+    )
+    k8s_autoscale: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Kubernetes: a HorizontalPodAutoscaler sets the replica count to the proxy's desired count "
+        "(the gauge brigade_proxy_desired_replicas, through the Prometheus adapter), between proxy.min_replicas "
+        "and proxy.max_replicas. auto = on when proxy.max_replicas is above proxy.min_replicas (max_replicas 0, "
+        "no bound, leaves the count as advice: off); on = always (needs proxy.max_replicas); off = never.",
     )
     slurm_runtime: str = Field(
         "pyxis", pattern="^(pyxis|apptainer)$", description="How SLURM runs the images: pyxis (enroot) or apptainer."

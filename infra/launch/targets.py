@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bucket.config import ConfigError
+from infra.launch import autoscale
 from infra.launch.config import CONFIG_PATH, Deployment, Gpus
 
 HERE = Path(__file__).parent
@@ -126,7 +127,27 @@ def render_kubernetes(d: Deployment) -> dict[str, str]:
         "replica_gpu_count": d.replica_gpus.count,
     }
     values |= {f"{job}_image": json.dumps(d.image(job)) for job in ("trainer", "rollout", "replica")}
-    return {"brigade.yaml": fill("kubernetes/brigade.yaml", values)}
+    # The proxy's /metrics through a relay (autoscale.py says why), and the HPA on its gauge when wanted.
+    relay = autoscale.RELAY.read_text()
+    values |= {
+        "metrics_relay": "\n".join(f"    {line}".rstrip() for line in relay.splitlines()),
+        "metrics_port": autoscale.relay_port(d),
+    }
+    files = {"servicemonitor.yaml": fill("kubernetes/servicemonitor.yaml", values)}
+    bounds = autoscale.hpa_bounds(d)
+    if bounds:
+        values |= {
+            "autoscaler": fill("kubernetes/autoscaler.yaml", values | autoscale.values(d)).rstrip("\n"),
+            "scaling_note": f"# The replica count follows the proxy's desired count, {bounds[0]} to {bounds[1]} "
+            "replicas (the HorizontalPodAutoscaler at the end).",
+        }
+        files["prometheus-adapter.yaml"] = fill("kubernetes/prometheus-adapter.yaml", values)
+    else:
+        values |= {
+            "autoscaler": "",
+            "scaling_note": f"#   kubectl scale deployment/{d.launch.name}-replica --replicas=4",
+        }
+    return files | {"brigade.yaml": fill("kubernetes/brigade.yaml", values)}
 
 
 # -- SLURM ------------------------------------------------------------------------------------------

@@ -23,12 +23,16 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import stat
 import subprocess
 import sys
 import sysconfig
 import threading
+import time
 import tomllib
+import urllib.error
+import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -88,6 +92,10 @@ num_replicas = 3
 trainer_gpus = "H200:2"
 replica_gpus = "H200:1"
 """
+
+
+# [proxy] bounds that leave the count room to move: `brigade launch kubernetes` then renders an autoscaler
+AUTOSCALED = "max_steps = 500\n\n[proxy]\nmin_replicas = 2\nmax_replicas = 8\nscale_cooldown_s = 240\n"
 
 
 def run(cmd, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
@@ -231,7 +239,7 @@ def test_rendered_files_and_the_run_config_the_jobs_get(rendered):
     expected = {
         "hf-jobs": {"launch.sh", "run.toml"},
         "skypilot": {"trainer.yaml", "rollout.yaml", "replica.yaml", "run.toml"},
-        "kubernetes": {"brigade.yaml"},
+        "kubernetes": {"brigade.yaml", "servicemonitor.yaml"},  # prometheus-adapter.yaml with an autoscaler
         "slurm": {"brigade.sbatch", "replicas.sbatch", "run.toml"},
     }
     for target, files in expected.items():
@@ -261,6 +269,13 @@ def test_rendered_files_and_the_run_config_the_jobs_get(rendered):
         ("hf-jobs", ('replica_gpus = "H200:1"', 'replica_gpus = "H100:1"'), "set launch.hf_replica_flavor"),
         ("slurm", ('name = "math"', 'name = "Math_Run"'), "launch.name"),
         ("slurm", ("num_replicas = 3", "num_replica = 3"), "launch.num_replica"),
+        ("kubernetes", ("num_replicas = 3", 'num_replicas = 3\nk8s_autoscale = "on"'), "needs proxy.max_replicas"),
+        (
+            "kubernetes",
+            ("max_steps = 500", AUTOSCALED.replace("min_replicas = 2", "min_replicas = 4")),
+            "launch.num_replicas = 3 is outside",
+        ),
+        ("kubernetes", ("max_steps = 500", "max_steps = 500\n[proxy]\nport = 8320"), "choose another proxy.port"),
     ],
 )
 def test_a_bad_config_names_the_setting_to_fix(tmp_path, target, change, error):
@@ -304,6 +319,10 @@ def test_kubernetes_manifests_validate_against_the_api_schemas(rendered, tmp_pat
             + '[replica]\nmodel_path = "/models/qwen"\n',
             tmp_path,
         )["brigade.yaml"],
+        # proxy.max_replicas above proxy.min_replicas: a HorizontalPodAutoscaler on the proxy's gauge
+        "autoscaled": render_files("kubernetes", RUN_TOML.replace("max_steps = 500", AUTOSCALED), tmp_path)[
+            "brigade.yaml"
+        ],
     }
     for variant, text in variants.items():
         docs = list(yaml.safe_load_all(text))
@@ -311,7 +330,10 @@ def test_kubernetes_manifests_validate_against_the_api_schemas(rendered, tmp_pat
             kubernetes_validate.validate(doc, version, strict=True)  # raises on any schema violation
         by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
         deployments = {("Deployment", "math-rollout"), ("Deployment", "math-replica")}
-        assert set(by_kind) == {("ConfigMap", "math-config"), ("Job", "math-trainer")} | deployments, variant
+        expected = {("ConfigMap", "math-config"), ("Job", "math-trainer"), ("Service", "math-proxy-metrics")}
+        hpa = {("HorizontalPodAutoscaler", "math-replica")} if variant == "autoscaled" else set()
+        assert set(by_kind) == expected | deployments | hpa, variant
+        check_proxy_metrics_and_autoscaler(by_kind, variant == "autoscaled")
         trainer = by_kind["Job", "math-trainer"]["spec"]["template"]["spec"]
         replica = by_kind["Deployment", "math-replica"]
         pod = replica["spec"]["template"]["spec"]
@@ -324,10 +346,105 @@ def test_kubernetes_manifests_validate_against_the_api_schemas(rendered, tmp_pat
         toml = tomllib.loads(by_kind["ConfigMap", "math-config"]["data"]["run.toml"])
         assert toml["replica"]["host"] == "0.0.0.0" and toml["bucket"]["url"] == "s3://brigade-test/runs/r1"
         model_env = {"name": "BRIGADE_MODEL_REPO", "value": "Qwen/Qwen2.5-Math-1.5B"}
-        downloads = variant == "rendered"
+        downloads = variant != "model folder"
         assert (model_env in pod["containers"][0]["env"]) == downloads == (model_env in trainer["containers"][0]["env"])
         assert pod["nodeSelector"] == ({} if downloads else {"nvidia.com/gpu.product": "H200"})
         assert toml["replica"]["model_path"] == (MODEL_DIR if downloads else "/models/qwen")
+
+
+def check_proxy_metrics_and_autoscaler(by_kind: dict, autoscaled: bool) -> None:
+    """The relay serves the proxy's /metrics where the Service sends Prometheus; the HPA reads that Service's gauge."""
+    rollout = by_kind["Deployment", "math-rollout"]["spec"]["template"]
+    relay = {c["name"]: c for c in rollout["spec"]["containers"]}["proxy-metrics"]
+    assert relay["command"] == ["python3", "/etc/brigade/metrics_relay.py", "9100", "http://127.0.0.1:8100/metrics"]
+    assert relay["ports"] == [{"name": "metrics", "containerPort": 9100}]
+    service = by_kind["Service", "math-proxy-metrics"]
+    assert service["spec"]["selector"].items() <= rollout["metadata"]["labels"].items()
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9100, "targetPort": "metrics"}]
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+    relay_text = (REPO / "infra/launch/kubernetes/metrics_relay.py").read_text()
+    assert by_kind["ConfigMap", "math-config"]["data"]["metrics_relay.py"] == relay_text
+    if not autoscaled:
+        return
+    spec = by_kind["HorizontalPodAutoscaler", "math-replica"]["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "math-replica"}
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 8)  # proxy.min_replicas, proxy.max_replicas
+    (metric,) = spec["metrics"]
+    assert metric["type"] == "External"
+    # the gauge the proxy exports; AverageValue 1: the HPA asks for ceil(gauge / 1) replicas
+    assert f'"{metric["external"]["metric"]["name"]}"' in (REPO / "proxy/metrics.py").read_text()
+    assert metric["external"]["metric"]["selector"] == {"matchLabels": {"service": "math-proxy-metrics"}}
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    down = spec["behavior"]["scaleDown"]  # proxy.scale_cooldown_s = 240
+    assert down == {"stabilizationWindowSeconds": 240, "policies": [{"type": "Pods", "value": 1, "periodSeconds": 240}]}
+
+
+def test_kubernetes_prometheus_files_expose_the_gauge_the_autoscaler_reads(tmp_path):
+    files = render_files("kubernetes", RUN_TOML.replace("max_steps = 500", AUTOSCALED), tmp_path)
+    assert set(files) == {"brigade.yaml", "servicemonitor.yaml", "prometheus-adapter.yaml"}
+    hpa = next(d for d in yaml.safe_load_all(files["brigade.yaml"]) if d["kind"] == "HorizontalPodAutoscaler")
+    metric = hpa["spec"]["metrics"][0]["external"]["metric"]
+    (rule,) = yaml.safe_load(files["prometheus-adapter.yaml"])["rules"]["external"]
+    assert rule["seriesQuery"] == metric["name"] + '{namespace!="",service!=""}'
+    assert rule["resources"] == {"overrides": {"namespace": {"resource": "namespace"}}}
+    assert rule["metricsQuery"] == "max(<<.Series>>{<<.LabelMatchers>>})"  # two proxies mid-rollout: not twice
+    service = next(d for d in yaml.safe_load_all(files["brigade.yaml"]) if d["kind"] == "Service")
+    monitor = yaml.safe_load(files["servicemonitor.yaml"])
+    assert monitor["kind"] == "ServiceMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    # launch.k8s_autoscale = "off" leaves the HPA out whatever the bounds
+    off = render_files(
+        "kubernetes", RUN_TOML.replace("max_steps = 500", AUTOSCALED) + 'k8s_autoscale = "off"\n', tmp_path
+    )
+    assert set(off) == {"brigade.yaml", "servicemonitor.yaml"} and "autoscaling/v2" not in off["brigade.yaml"]
+
+
+def test_kubernetes_metrics_relay_serves_the_proxys_metrics_and_nothing_else(rendered, tmp_path):
+    """The relay as the ConfigMap ships it, against a stand-in proxy."""
+    body = b"# TYPE brigade_proxy_desired_replicas gauge\nbrigade_proxy_desired_replicas 3.0\n"
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    docs = yaml.safe_load_all((rendered["kubernetes"] / "brigade.yaml").read_text())
+    (tmp_path / "relay.py").write_text(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["metrics_relay.py"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    relay = subprocess.Popen(
+        [sys.executable, tmp_path / "relay.py", str(port), f"http://127.0.0.1:{upstream.server_port}/metrics"]
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+                    assert r.read() == body and r.headers["Content-Type"] == "text/plain; version=0.0.4"
+                break
+            except urllib.error.URLError:  # not listening yet
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the relay never answered")
+        for path in ("/live_adapters", "/health", "/"):  # nothing of the proxy but its metrics
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(url + path, timeout=5)
+        upstream.shutdown()
+        upstream.server_close()
+        with pytest.raises(urllib.error.HTTPError, match="503"):  # the proxy gone: a failed scrape, not a crash
+            urllib.request.urlopen(f"{url}/metrics", timeout=10)
+    finally:
+        relay.terminate()
+        relay.wait(timeout=10)
 
 
 # -- SkyPilot -------------------------------------------------------------------------------------
