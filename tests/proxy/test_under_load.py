@@ -1,5 +1,5 @@
 """Two real vLLM replicas (the session's `vllm_replicas`) kept saturated: every generation sequence running
-long completions and as many requests again waiting in the proxy, from a client that sends no `priority` (as
+long completions and more requests waiting in the proxy, from a client that sends no `priority` (as
 TRL's does). A version loaded meanwhile must pass its canary probe without waiting for any running completion to
 end (the replicas keep `control_seqs` sequences for it, and the probe asks no more prompts at a time), and
 neither replica may be ejected for answering /health slowly while busy.
@@ -19,7 +19,7 @@ from bucket.canary import canary_meta
 from tests.helpers import proxied
 from tests.proxy.test_proxy_vllm import _adapter_and_canary, fresh_prompt
 
-COMPLETION_TOKENS = 96  # long enough that a probe waiting for running completions to end would show it
+COMPLETION_TOKENS = 64  # long enough that a probe waiting for running completions to end would show it
 
 
 def _probe_seconds(store: Any, name: str, since: float) -> dict[str, float]:
@@ -65,10 +65,16 @@ def test_a_saturated_replica_passes_the_probe_without_waiting_and_is_not_ejected
                 return r.status_code
 
             per_replica = {i.replica_id: i.max_num_seqs for i in infos}
-            load_tasks = [asyncio.create_task(generate(k)) for k in range(2 * sum(per_replica.values()))]
+            # every generation sequence running and two requests per replica waiting in the proxy: a second wave would
+            # only lengthen the test
+            wanted = sum(per_replica.values()) + 2 * len(per_replica)
+            load_tasks = [asyncio.create_task(generate(k)) for k in range(wanted)]
             slots = proxy.forwarder._replica_slots  # what the proxy holds back per replica
             deadline = time.monotonic() + 120
-            while not all(rid in slots and slots[rid].locked() and slots[rid].waiting for rid in per_replica):
+            while not (
+                all(rid in slots and slots[rid].locked() for rid in per_replica)
+                and sum(slots[rid].waiting for rid in per_replica)
+            ):
                 assert time.monotonic() < deadline, {r: (s.taken, s.waiting) for r, s in slots.items()}
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # well into the completions: none is about to end
