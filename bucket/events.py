@@ -45,6 +45,7 @@ class EventKind(StrEnum):
     REPLICA_EJECTED = "replica_ejected"  # proxy: a replica refused, timed out or failed /health (field: reason)
     REPLICA_READMITTED = "replica_readmitted"  # proxy: an ejected replica answers again and holds every live adapter
     REPLICA_REMOVED = "replica_removed"  # proxy: a replica left the registry (or restarted)
+    REPLICA_DRAINING = "replica_draining"  # proxy: a replica asked to leave gets no new groups, finishes its own
     ROUTING_SNAPSHOT = "routing_snapshot"  # proxy, every few seconds: decisions by kind, in flight per replica
     PROBE_FAILED = "adapter_probe_failed"  # proxy: a replica's canary logprobs do not match the version it loaded
     EVAL_SKIPPED = "eval_skipped"  # rollout worker: versions that came due while an evaluation ran, not evaluated
@@ -72,6 +73,7 @@ REPLICA_ADMITTED = EventKind.REPLICA_ADMITTED
 REPLICA_EJECTED = EventKind.REPLICA_EJECTED
 REPLICA_READMITTED = EventKind.REPLICA_READMITTED
 REPLICA_REMOVED = EventKind.REPLICA_REMOVED
+REPLICA_DRAINING = EventKind.REPLICA_DRAINING
 ROUTING_SNAPSHOT = EventKind.ROUTING_SNAPSHOT
 PROBE_FAILED = EventKind.PROBE_FAILED
 EVAL = EventKind.EVAL

@@ -45,6 +45,9 @@ class ReplicaInfo(BaseModel):
     # running generation to end.
     max_num_seqs: int = 0
     control_seqs: int = 0
+    # Asked to leave (its sidecar got SIGTERM): the proxy gives it no new groups, only the siblings of groups
+    # already there, and it deregisters once its vLLM has nothing running or waiting (replica.drain_timeout_s).
+    draining: bool = False
     beat: int = 0
     heartbeat_at: float = 0.0
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from bucket.config import BucketConfig, ConfigError
 from bucket.manifest import RunSpec
@@ -30,7 +30,19 @@ __all__ = ["Config", "ConfigError", "Flags", "LocalConfig", "add_flags", "load",
 class LocalConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
-    num_replicas: int = Field(2, ge=1, description="vLLM replicas to start.")
+    num_replicas: int = Field(2, ge=1, description="vLLM replicas to start (unless local.replicas says otherwise).")
+    replicas: int | Literal["auto"] = Field(
+        0,
+        description="vLLM replicas: a number (0 = num_replicas), or auto: start proxy.min_replicas and follow the "
+        "proxy's desired replica count (docs/autoscaling.md) up to max_replicas, starting replicas as the first ones "
+        "and stopping the newest (each drains first: it finishes its groups, takes no new ones).",
+    )
+    max_replicas: int = Field(
+        0,
+        ge=0,
+        description="With replicas = auto: the most replicas to run (0 = one per CPU core); the proxy's desired "
+        "count is bounded by it too.",
+    )
     base_port: int = Field(8200, ge=1, le=65000, description="First replica port (replica i listens on base_port + i).")
     trainer_threads: int = Field(
         1, ge=1, description="torch threads of the trainer (the replicas share the same cores)."
@@ -54,6 +66,18 @@ class LocalConfig(BaseModel):
         "<run> unless --bucket names one): the object-store path on one machine. Its objects are gone when the "
         "run ends.",
     )
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replicas(cls, value: Any) -> Any:
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text == "auto":
+            return text
+        if isinstance(text, str) and text.isdigit():
+            return int(text)
+        if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+            return text
+        raise ValueError("a number of replicas (0 = num_replicas) or auto")
 
 
 TABLES: dict[str, type[BaseModel]] = {  # the order of --help and of a written run.toml

@@ -36,6 +36,7 @@ from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError, to_toml
 from infra.local_progress import progress_display
+from infra.local_scaling import ReplicaScaler, replica_count
 from infra.local_sizing import describe_sizing, size_for_cpu
 from infra.local_summary import Ending, write_summary
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
@@ -65,12 +66,21 @@ class Job:
     def exited(self) -> bool:
         return not self.running()
 
+    def terminate(self) -> None:
+        """SIGTERM to the job's process group; a replica's sidecar in turn stops its vLLM (its own process group)."""
+        if self.running():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, timeout_s: float = 30) -> None:
+        self.terminate()
+        self.wait_or_kill(timeout_s)
+
+    def wait_or_kill(self, timeout_s: float) -> None:
+        """Wait for the job to end after its SIGTERM; SIGKILL its process group after `timeout_s`."""
         if not self.running():
             return
         assert self.proc is not None
-        # The job's process group; a replica's sidecar in turn stops its vLLM (its own process group).
-        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -219,7 +229,8 @@ class LocalRun:
 
     def __init__(self, config: Config, store: Store, cfg_path: str, logs: str):
         self.config, self.store = config, store
-        self.replicas = [replica_job(config, i, cfg_path, logs) for i in range(config.local.num_replicas)]
+        self.replica_count = replica_count(config)
+        self.replicas = [replica_job(config, i, cfg_path, logs) for i in range(self.replica_count.start)]
         self.proxy = launch_job("proxy", "proxy", cfg_path, logs)
         # A fixed worker id: its data cursor in the bucket is found again if the run is resumed.
         self.rollout = launch_job(
@@ -227,15 +238,22 @@ class LocalRun:
         )
         torch_threads = str(config.trainer.torch_threads or config.local.trainer_threads)
         self.trainer = launch_job("trainer", "trainer", cfg_path, logs, "--trainer.torch-threads", torch_threads)
-        self.jobs = self.replicas + [self.proxy, self.rollout, self.trainer]
         self.started = time.monotonic()
         self.started_at = time.time()
+        self.scaler = None
+        if self.replica_count.auto:  # replicas follow the proxy's desired count (infra/local_scaling.py)
+            new = partial(replica_job, config, cfg_path=cfg_path, logs=logs)
+            self.scaler = ReplicaScaler(store, self.replica_count, self.replicas, new, since=self.started_at)
         # The jobs are stopped a grace before the wall limit, so that stopping them and the summary fit within it
         # (at most half of a short limit, which must still leave time to run).
         max_wall_s = config.local.max_wall_s
         self.deadline = self.started + max_wall_s - min(config.local.shutdown_grace_s, max_wall_s / 2)
         self.progress = progress_display(store)
         self.replica_startup_s = 0.0
+
+    @property
+    def jobs(self) -> list[Job]:
+        return self.replicas + [self.proxy, self.rollout, self.trainer]  # the replicas change under auto
 
     def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         """Wait for `ready`, failing as soon as any job fails, or at the run's deadline."""
@@ -258,6 +276,9 @@ class LocalRun:
         for job in self.replicas:
             job.start()
         print(f"starting {n} vLLM replicas (about a minute on CPU) ...", flush=True)
+        if self.scaler is not None:
+            count = self.replica_count
+            print(f"  then as many as the proxy's desired count asks, {count.low} to {count.high}", flush=True)
         registered = partial(replicas_registered, self.store, {job.name for job in self.replicas}, time.time())
         timeout_s = self.config.replica.startup_timeout_s + 30
         self.wait_until("the replicas to register in the bucket", registered, timeout_s)
@@ -277,6 +298,8 @@ class LocalRun:
         while self.trainer.running():
             _check(self.jobs)
             self.progress.poll()
+            if self.scaler is not None:
+                self.scaler.poll()
             if time.monotonic() > self.deadline:
                 raise self.wall_limit("while training")
             time.sleep(2)
@@ -295,9 +318,14 @@ class LocalRun:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.progress.close()  # the live view's last frame stays; what follows prints below it
-        for job in reversed(self.jobs):
+        # The replicas get one SIGTERM each, all at once: each drains in parallel (with the proxy stopped, in
+        # seconds), and one the scaler asked to stop already stops at once.
+        steps = [(job, partial(job.stop, timeout_s=30)) for job in (self.trainer, self.rollout, self.proxy)]
+        steps += [(job, job.terminate) for job in self.replicas]
+        steps += [(job, partial(job.wait_or_kill, timeout_s=60)) for job in self.replicas]
+        for job, step in steps:
             try:
-                job.stop(timeout_s=60 if job in self.replicas else 30)
+                step()
             except Exception as exc:  # noqa: BLE001 - keep stopping the others
                 print(f"brigade local: could not stop {job.name}: {exc}", file=sys.stderr, flush=True)
 
@@ -311,6 +339,9 @@ def run(config: Config) -> int:
         raise ConfigError(f"--local.s3-server needs an s3:// bucket (or none), not {config.bucket.url!r}")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
+    count = replica_count(config)
+    if count.auto:  # the proxy never asks for more replicas than this run may start
+        config.proxy.max_replicas = count.high
     if sizing:
         print(describe_sizing(sizing), flush=True)
     run_dir = _run_dir(config)

@@ -233,6 +233,7 @@ class Proxy:
                     "adapter_root": i.adapter_root,
                     "kv_block_size": i.block_size,
                     "inflight": self.router.inflight(i.replica_id),
+                    "draining": i.replica_id in self.membership.draining,
                 }
                 for i in self.routable.values()
             ],
@@ -310,7 +311,8 @@ class Proxy:
     def _load(self) -> Load:
         """What the autoscaler takes from the proxy itself at each look."""
         inflight = sum(self.router.inflight_all().values())
-        return Load(len(self.routable), len(self.membership.joining), inflight, self.forwarder.waiting)
+        serving = len(self.routable) - len(self.membership.draining)  # a draining replica is on its way out
+        return Load(serving, len(self.membership.joining), inflight, self.forwarder.waiting)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

@@ -61,8 +61,17 @@ class ReplicaConfig(BaseModel):
     drain_s: float = Field(
         2.0,
         ge=0,
-        description="On SIGTERM: seconds vLLM keeps serving after the replica deregistered, so the proxy (which "
-        "re-reads the registry every proxy.refresh_s) stops routing here before vLLM goes away.",
+        description="On SIGTERM: the proxy's time to notice (it re-reads the registry every proxy.refresh_s): the "
+        "drain waits at least this long after marking the replica draining before it trusts an idle vLLM, and vLLM "
+        "keeps serving this long after the replica deregistered.",
+    )
+    drain_timeout_s: float = Field(
+        120.0,
+        ge=0,
+        description="On SIGTERM the replica first drains: it registers as draining (the proxy sends it no new "
+        "groups, only the siblings of groups already here), waits until its vLLM has nothing running or waiting, "
+        "at most this long, then deregisters and stops. A second SIGTERM/SIGINT stops at once. 0 = no drain: "
+        "deregister at once (requests still running are cut, and the proxy retries them elsewhere).",
     )
     startup_timeout_s: float = Field(
         300.0, gt=0, description="Give up if vLLM is not healthy within this many seconds."

@@ -9,8 +9,12 @@ The sidecar (this process):
      while vLLM is healthy; the proxy learns the replica set from there;
   4. when the bucket is not a local folder, mirrors committed adapters into a
      local cache, since vLLM loads adapters from local paths only;
-  5. on SIGTERM/SIGINT, or when vLLM dies, deregisters and stops vLLM's whole
-     process tree.
+  5. on SIGTERM/SIGINT drains: registers as draining (the proxy sends no new
+     groups here, only the siblings of groups already here), waits until vLLM
+     has nothing running or waiting (at most `drain_timeout_s`), then
+     deregisters, lets vLLM serve `drain_s` more and stops its whole process
+     tree; a second signal stops at once. When vLLM dies, it deregisters and
+     stops at once.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roo
 log = logging.getLogger("brigade.replica")
 
 MIRROR_POLL_S = 0.05  # one small GET of adapters/LATEST.json: a new version is copied ~50 ms after its commit
+DRAIN_POLL_S = 0.25  # how often a draining replica reads vLLM's running and waiting requests
+# Idle for this long before the drain ends: a request the proxy held for a free slot here is sent the moment one
+# frees, so a single read of 0 between two requests proves nothing.
+DRAIN_IDLE_S = 1.0
 
 
 def replica_id(rc: ReplicaConfig) -> str:
@@ -95,6 +103,8 @@ class Replica:
         self.spec, self.bucket = spec, bucket
         self.rc = settings
         self.stop = threading.Event()
+        self.draining = threading.Event()  # the first SIGTERM/SIGINT once registered: finish the work here, then stop
+        self.hurry = threading.Event()  # a second one: stop now, no more waiting
         self.rid = replica_id(self.rc)
         self.registered = False
         self.server: VllmServer | None = None
@@ -152,7 +162,16 @@ class Replica:
         if threading.current_thread() is not threading.main_thread():
             return  # signals can only be handled there; whoever runs us in a thread stops us via .stop
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self.stop.set())
+            signal.signal(sig, lambda signum, frame: self._asked_to_stop())
+
+    def _asked_to_stop(self) -> None:
+        """SIGTERM/SIGINT: the first one drains a registered replica, a second one (or one while starting) stops."""
+        if self.registered and self.rc.drain_timeout_s > 0 and not self.draining.is_set():
+            self.draining.set()
+            return
+        if self.draining.is_set():
+            self.hurry.set()
+        self.stop.set()
 
     # -- background loops -----------------------------------------------------
     def _heartbeat_loop(self, store: Store, info: ReplicaInfo) -> None:
@@ -293,16 +312,70 @@ class Replica:
                 flush=True,
             )
             self._start_thread(self._heartbeat_loop, store, info)
+            drained: dict[str, object] = {}
             while not self.stop.wait(0.5):
-                if not self.server.alive():
-                    raise ReplicaError(
-                        f"vLLM exited with code {self.server.proc.returncode}. "
-                        f"Last lines of {self.server.log_path}:\n{self.server.log_tail()}"
-                    )
-            event_log.emit(events.REPLICA_STOPPED, reason="signal")
+                self._check_vllm()
+                if self.draining.is_set():
+                    drained = self._drain(store, info)
+                    self._check_vllm()
+                    break
+            event_log.emit(events.REPLICA_STOPPED, reason="signal", **drained)
             return 0
         finally:
             self._shutdown(store)
+
+    def _check_vllm(self) -> None:
+        if not self.server.alive():
+            raise ReplicaError(
+                f"vLLM exited with code {self.server.proc.returncode}. "
+                f"Last lines of {self.server.log_path}:\n{self.server.log_tail()}"
+            )
+
+    def _drain(self, store: Store, info: ReplicaInfo) -> dict[str, object]:
+        """Finish the work here before leaving: registered as draining, the proxy sends no new groups, only the
+        siblings of groups already here; wait for vLLM to be idle (nothing running or waiting for DRAIN_IDLE_S,
+        and not before the proxy had drain_s to notice), at most drain_timeout_s or until a second signal."""
+        t0 = time.monotonic()
+        print(
+            f"brigade replica {self.rid}: draining (no new groups; at most {self.rc.drain_timeout_s:.0f}s, "
+            "a second signal stops at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with self._registry_lock:
+            info.draining = True  # every later write (heartbeat, mirror) carries it too
+            try:
+                replicas.register(store, info)
+            except Exception as exc:  # the next heartbeat writes it again
+                log.warning("could not register as draining: %s", exc)
+        self.metrics.draining.set(1)
+        noticed_at, deadline = t0 + self.rc.drain_s, t0 + self.rc.drain_timeout_s
+        idle_since: float | None = None
+        outcome = "timeout"
+        while not self.stop.is_set():
+            if not self.server.alive():
+                outcome = "vllm_exited"
+                break
+            now = time.monotonic()
+            busy = self.server.requests(timeout_s=2.0)
+            if busy == 0:
+                idle_since = now if idle_since is None else idle_since
+                if now >= noticed_at and now - idle_since >= DRAIN_IDLE_S:
+                    outcome = "idle"
+                    break
+            else:
+                idle_since = None
+            if now >= deadline:
+                break
+            self.stop.wait(DRAIN_POLL_S)
+        else:
+            outcome = "stopped"  # a second signal
+        seconds = round(time.monotonic() - t0, 1)
+        if outcome == "idle":
+            log.info("drained in %.1fs: nothing running or waiting", seconds)
+        else:
+            log.warning("drain ended after %.1fs (%s); requests still running are cut", seconds, outcome)
+        return {"drained": outcome == "idle", "drain": outcome, "drain_s": seconds}
 
     def _shutdown(self, store: Store) -> None:
         self.stop.set()
@@ -317,9 +390,9 @@ class Replica:
             except Exception as exc:
                 log.warning("could not deregister %s: %s", self.rid, exc)
             # A clean leave: requests the proxy sends before it notices are still answered.
-            if self.server is not None and self.server.alive() and self.rc.drain_s > 0:
+            if self.server is not None and self.server.alive() and self.rc.drain_s > 0 and not self.hurry.is_set():
                 log.info("deregistered; serving %.1fs more before stopping vLLM", self.rc.drain_s)
-                time.sleep(self.rc.drain_s)
+                self.hurry.wait(self.rc.drain_s)
         if self.server is not None:
             self.server.stop()
         self.metrics.close()

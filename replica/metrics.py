@@ -28,6 +28,11 @@ class ReplicaMetrics(ServedMetrics):
             "brigade_replica_registered", "1 while the replica is registered in the bucket's registry.", registry=r
         )
         self.healthy = Gauge("brigade_replica_vllm_healthy", "1 when vLLM answered its last /health.", registry=r)
+        self.draining = Gauge(
+            "brigade_replica_draining",
+            "1 while the replica drains before it stops (no new groups; its own finish).",
+            registry=r,
+        )
         self.startup_seconds = Gauge(
             "brigade_replica_vllm_startup_seconds", "vLLM's start, until its /health answered.", registry=r
         )

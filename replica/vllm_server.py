@@ -171,6 +171,14 @@ def _die_with_parent() -> None:
         pass
 
 
+_REQUESTS = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? +([0-9.eE+-]+)", re.MULTILINE)
+
+
+def count_requests(metrics_text: str) -> int:
+    """Running plus waiting requests in a vLLM /metrics text (each gauge summed over its label sets)."""
+    return round(sum(float(v) for v in _REQUESTS.findall(metrics_text)))
+
+
 def lora_roots(base_url: str, headers: dict[str, str], timeout_s: float = 5.0) -> list[str] | None:
     """The folders of the LoRA adapters a vLLM server has registered (/v1/models), None if it does not answer."""
     try:
@@ -214,6 +222,18 @@ class VllmServer:
             return 0
         m = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.MULTILINE)
         return int(m.group(1)) if m else 0
+
+    def requests(self, timeout_s: float = 5.0) -> int | None:
+        """Requests vLLM is running or holding waiting (its /metrics' vllm:num_requests_running and
+        vllm:num_requests_waiting, summed over their label sets); None when /metrics does not answer. A vLLM
+        without these gauges reads as 0: there is nothing to wait for that it would show."""
+        try:
+            resp = httpx.get(f"{self.plan.base_url}/metrics", timeout=timeout_s)
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        return count_requests(resp.text)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

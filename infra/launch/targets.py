@@ -125,6 +125,9 @@ def render_kubernetes(d: Deployment) -> dict[str, str]:
         "replica_model_env": "\n".join(f"            - {json.dumps(e)}" for e in model_env),
         "trainer_gpu_count": d.trainer_gpus.count,
         "replica_gpu_count": d.replica_gpus.count,
+        # A replica pod that is stopped (a scale-down included) drains first: its groups finish, then it
+        # deregisters and stops vLLM; Kubernetes must not kill it before (SIGKILL after this grace).
+        "replica_grace_s": int(d.config.replica.drain_timeout_s + d.config.replica.drain_s) + 60,
     }
     values |= {f"{job}_image": json.dumps(d.image(job)) for job in ("trainer", "rollout", "replica")}
     # The proxy's /metrics through a relay (autoscale.py says why), and the HPA on its gauge when wanted.

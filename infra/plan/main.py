@@ -39,7 +39,7 @@ FLAGS: Flags = {
     "rollout": ["max_completion_length", "max_unconsumed_groups"],
     "replica": ["model_path", "block_size", "kv_cache_gib", "max_loras"],
     "proxy": ["min_replicas", "max_replicas"],
-    "local": ["num_replicas"],
+    "local": ["num_replicas", "replicas"],
 }
 # Memory per card as sold (GB = 10^9 bytes), for --gpu NAME.
 GPU_MEMORY_GB: dict[str, float] = {
@@ -145,7 +145,7 @@ def hardware(config: Config, opts: PlanOptions) -> Hardware:
         tensor_parallel=opts.tensor_parallel_size,
         trainer_gpus=opts.trainer_gpus,
         block_size=config.replica.block_size or (GPU_BLOCK_SIZE if opts.gpus else CPU_BLOCK_SIZE),
-        cpu_replicas=config.local.num_replicas,
+        cpu_replicas=config.local.num_replicas if config.local.replicas in (0, "auto") else config.local.replicas,
         cpu_kv_gib=config.replica.kv_cache_gib,
     )
 
@@ -178,6 +178,8 @@ def planned_config(config: Config, opts: PlanOptions, shape: RunShape, sp: Split
     else:
         c.replica.gpu_memory_utilization = sp.share
     c.local.num_replicas = sp.replicas
+    if c.local.replicas != "auto":
+        c.local.replicas = 0  # num_replicas, as planned
     if "max_replicas" not in config.proxy.model_fields_set:  # the autoscaler's bound: every replica there is room for
         c.proxy.max_replicas = max(sp.replicas, c.proxy.min_replicas)
     return Config.model_validate(c.model_dump())

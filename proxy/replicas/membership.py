@@ -16,6 +16,11 @@ answered a generation within `busy_grace_s` is busy, not dead: a saturated
 vLLM queues /health behind its batch, so a timeout then only stretches the
 next one. An ejected replica is re-admitted like a joiner, once /health
 answers again and it holds every live adapter.
+
+A replica whose sidecar was asked to stop says so in its registry entry
+(`draining`): it gets no new groups, only the siblings of groups already
+there (routing/router.py), until it deregisters once its vLLM is idle. A
+draining replica is never joined or re-admitted.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class Membership:
         self.ejected: dict[str, str] = {}  # replica id -> why; still registered, receives no traffic
         self.ejections: dict[tuple[str, str], int] = {}  # (replica, cause) -> count, for metrics
         self.readmissions: dict[str, int] = {}
+        self.draining: set[str] = set()  # routable replicas that asked to leave: no new groups go there
         self.on_removed = on_removed
         self.after_join = after_join
         self.loaded_changed = loaded_changed
@@ -174,16 +180,31 @@ class Membership:
                 self.ejected.pop(rid, None)
                 self._emit_soon(events.REPLICA_REMOVED, replica=rid, reason="gone", routable=len(routable))
         for rid, task in list(self.joining.items()):
-            if rid not in alive:
+            if rid not in alive or alive[rid].draining:
                 task.cancel()
                 self.joining.pop(rid, None)
+        self._mark_draining({rid for rid in routable if alive[rid].draining})
         now = time.monotonic()
         for rid, info in alive.items():
+            if info.draining:
+                continue  # leaving: no point giving it the adapters
             if rid not in routable and rid not in self.joining and now >= self._join_retry_at.get(rid, 0.0):
                 self.joining[rid] = asyncio.create_task(self._join(info), name=f"join-{rid}")
 
+    def _mark_draining(self, draining: set[str]) -> None:
+        """The routable replicas that asked to leave: the router gives them no new groups."""
+        if draining == self.draining:
+            return
+        for rid in sorted(draining - self.draining):
+            inflight = self.state.router.inflight(rid)
+            log.info("replica %s is draining: no new groups; %d requests in flight there finish", rid, inflight)
+            self._emit_soon(events.REPLICA_DRAINING, replica=rid, inflight=inflight, routable=len(self.state.routable))
+        self.draining = draining
+        self.state.router.set_draining(draining)
+
     def _remove(self, replica_id: str) -> ReplicaInfo | None:
         info = self.state.routable.pop(replica_id, None)
+        self.draining.discard(replica_id)
         self.state.router.set_replicas(self.state.routable)
         self.on_removed(replica_id)
         return info

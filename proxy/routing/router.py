@@ -29,6 +29,10 @@ Three rules, in order:
   that registered its KV capacity (`kv_blocks`) is assumed to evict least
   recently used first: once more prompt blocks went to it than it holds, the
   oldest are forgotten as homes.
+* **A draining replica takes no new group** (it was asked to leave:
+  `set_draining`), unless no other replica is left; the siblings of a group
+  with requests in flight or expected there still follow it, whatever its
+  load, so the group is not split while the replica finishes its work.
 * **Otherwise the least-loaded replica,** load being outstanding tokens (the
   uncached part of the prompt plus the completion expected, learned from
   answers, and the siblings' reservations), not requests: completion lengths
@@ -100,6 +104,7 @@ class PrefixRouter:
         self._capacity: dict[str, int] = {}  # routing links each replica's KV cache holds (absent: unbounded)
         self._owned: dict[str, OrderedDict[int, None]] = {}  # links each bounded replica holds, oldest first
         self._order: list[str] = []
+        self._draining: set[str] = set()  # asked to leave: no new groups (set_draining)
         # When each replica was last given work by load: ties among equally loaded replicas go to the one
         # that waited longest, so sequential new prompts alternate instead of piling up.
         self._last_given: dict[str, int] = {}
@@ -148,11 +153,28 @@ class PrefixRouter:
                 self._owned,
             ):
                 table.pop(rid, None)
+        self._draining -= removed
         if removed:
             # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
             self._links = OrderedDict((h, v) for h, v in self._links.items() if v[0] not in removed)
             self._groups.forget_replicas(removed)
         self._order = wanted
+
+    def set_draining(self, replicas: Iterable[str]) -> None:
+        """Replicas asked to leave: no new group goes there while another replica can take it; the siblings of a
+        group with requests in flight or expected there still follow it (the group stays whole)."""
+        self._draining = {r for r in replicas if r in self._inflight}
+
+    @property
+    def draining(self) -> set[str]:
+        return set(self._draining)
+
+    def _closed(self, excluded: set[str] | frozenset[str]) -> set[str] | frozenset[str]:
+        """Where no new group may go: `excluded`, and the draining replicas unless no other one is left."""
+        if not self._draining:
+            return excluded
+        closed = set(excluded) | self._draining
+        return closed if any(r not in closed for r in self._order) else excluded
 
     # -- state, for status and metrics --------------------------------------------------------
     def inflight(self, replica_id: str) -> int:
@@ -206,7 +228,7 @@ class PrefixRouter:
 
     def least_loaded(self, exclude: Iterable[str] = ()) -> str | None:
         """The replica with the fewest outstanding tokens (for requests that place no prompt: changes nothing)."""
-        skip = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        skip = self._closed(exclude if isinstance(exclude, (set, frozenset)) else set(exclude))
         best, best_key = None, None
         for r in self._order:
             if r in skip:
@@ -264,8 +286,7 @@ class PrefixRouter:
 
     def route_any(self, exclude: Iterable[str] = ()) -> Decision | None:
         """A request without a prompt to hash: least-loaded."""
-        excluded = set(exclude)
-        rid = self._give_by_load(excluded)
+        rid = self._give_by_load(self._closed(set(exclude)))
         if rid is None:
             return None
         self.decisions[NEW] += 1
@@ -286,9 +307,10 @@ class PrefixRouter:
         max_tokens: int | None,
     ) -> Decision | None:
         excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        closed = self._closed(excluded)  # where a new (or moving) group may not go
         groups = self._groups
         groups.expire(self._total_inflight)
-        loads = [self._load[r] for r in self._order if r not in excluded]
+        loads = [self._load[r] for r in self._order if r not in closed]
         if not loads:
             return None
         low = min(loads)
@@ -299,13 +321,17 @@ class PrefixRouter:
 
         g = groups.lookup(group)
         if g is not None and g.replica in self._load:
-            # A sibling: follows while its replica, without the group's requests (in flight or expected), fits.
+            # A sibling: follows while its replica, without the group's requests (in flight or expected), fits;
+            # on a draining replica, whatever its load while the group has requests in flight or expected there.
             slack = groups.siblings * self._unit_cost()
-            if g.replica not in excluded and self._fits(g.replica, g.load + g.reserved, low + slack):
+            leaving = g.replica in closed and g.replica not in excluded
+            if (leaving and (g.load > 0.0 or g.expected > 0)) or (
+                g.replica not in closed and self._fits(g.replica, g.load + g.reserved, low + slack)
+            ):
                 cached = min(self._cached(g.replica, prompt_tokens), max(prompt_tokens - 1, 0))
                 self.decisions[PREFIX_HIT] += 1
                 return Decision(g.replica, PREFIX_HIT, 0, decode + prompt_tokens - cached, group, cached)
-            rid = self._give_by_load(excluded)
+            rid = self._give_by_load(closed)
             if rid is None:  # pragma: no cover (loads is not empty)
                 return None
             if rid != g.replica:
@@ -325,7 +351,7 @@ class PrefixRouter:
             if entry[1] >= 2 or not entry[2]:
                 # Shared by distinct prompts, or a point where this prompt leaves an earlier one: not a home.
                 break
-            if entry[0] not in excluded and entry[0] in self._load:
+            if entry[0] not in closed and entry[0] in self._load:
                 owner, depth = entry[0], i
                 break
         template = 0
@@ -344,7 +370,7 @@ class PrefixRouter:
                 else:
                     kind = SPILL
         if rid is None:
-            rid = self._give_by_load(excluded)
+            rid = self._give_by_load(closed)
             if rid is None:  # pragma: no cover
                 return None
             cached = self._cached(rid, template * unit) if template else 0

@@ -149,6 +149,10 @@ def test_replica_registry_and_liveness(store: Store):
     assert tracker.update(replicas.list_replicas(store), now=11) == []
     replicas.heartbeat(store, info)
     assert [r.replica_id for r in tracker.update(replicas.list_replicas(store), now=12)] == ["r0"]
+    assert replicas.read(store, "r0").draining is False  # serving
+    info.draining = True  # asked to leave: it says so, and its heartbeats keep saying so
+    replicas.heartbeat(store, info)
+    assert [(r.replica_id, r.draining) for r in replicas.list_replicas(store)] == [("r0", True)]
     replicas.deregister(store, "r0")
     assert replicas.list_replicas(store) == []
 

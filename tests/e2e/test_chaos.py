@@ -10,8 +10,8 @@ What each replica kill and leave did (ejected, served elsewhere, progress after 
 benchmark's result (`python -m benchmarks.chaos --minutes 8`, docs/chaos.md) and not asserted here: in
 3 minutes on a loaded 2-core CI machine the second replica can come up so late that the replica actions
 land in the last seconds (seen once in a full-suite run: the leave never came, a kill 10 s before the
-end). A replica killed mid-traffic and one leaving on SIGTERM are asserted by tests/proxy/test_proxy_failures.py and
-tests/replica/test_replica.py against real replicas.
+end). A replica killed mid-traffic and one leaving on SIGTERM (it drains first) are asserted by
+tests/proxy/test_proxy_failures.py against real replicas.
 
 One run for the whole file, ending inside its fixture (its moto server and every process stopped there).
 It runs before the tests of the session-wide vLLM replicas (tests/conftest.py orders every test of

@@ -4,7 +4,8 @@ Most tests here run the production hot path for real (httpserver.py + pool.py
 over loopback sockets) against small raw-socket upstreams that misbehave on
 cue: a real vLLM cannot be told to drop a connection right after reading a
 request, or to break off a stream after two events. One test kills a real
-vLLM replica (its own, started for it) in the middle of rollout traffic.
+vLLM replica (its own, started for it) in the middle of rollout traffic;
+another stops one with SIGTERM there, which drains it first.
 """
 
 from __future__ import annotations
@@ -530,6 +531,98 @@ async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any,
         groups = await asyncio.gather(*tasks)
         assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": name})).status_code == 200
         return groups, ejected_after, dict(proxy.forwarder.retries)
+
+
+def test_a_draining_replica_finishes_its_groups_then_leaves(vllm_replicas, model_dir, tmp_path, monkeypatch):
+    """Real replicas: the session's two, and one of this test's own whose sidecar gets SIGTERM while rollout
+    groups (n = 1 siblings, through the proxy's real server and the rollout worker's Generator) are in flight on
+    it. It drains: the proxy sends it no new group but the rest of its own, so every group completes whole on
+    one replica, none retried anywhere; then it deregisters, and neither its registry entry nor any process of its
+    vLLM is left. It runs with an API key (which the proxy sends to every replica; the session's two have none):
+    its vLLM refuses /v1/* without it, and the key is on no command line and in no log."""
+    from bucket import replicas
+    from tests.replica.test_replica import _group_members, live_pids, process_cmdlines
+
+    store, _infos, manifest = vllm_replicas
+    key = "replica-secret-5f2c"
+    monkeypatch.setenv("BRIGADE_REPLICA_API_KEY", key)
+    port, logs, drained = free_port(), tmp_path / "logs", "test-replica-drained"
+    proc, log_path = start_replica(store.url, model_dir, port, drained, "1", str(logs), "--replica.drain-s", "1")
+    try:
+        deadline = time.monotonic() + 420
+        while drained not in {r.replica_id for r in replicas.list_replicas(store)}:
+            assert proc.poll() is None, open(log_path).read()[-3000:]
+            assert time.monotonic() < deadline, "the replica did not register"
+            time.sleep(1)
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url, timeout=30).status_code == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+        assert not any(key in c for c in process_cmdlines().values())
+        vllm_pids = {pid for pid, c in process_cmdlines().items() if f"--port {port}" in c}
+        group = set().union(*(_group_members(pid) for pid in vllm_pids))
+        assert vllm_pids and len(group) >= 3  # API server, engine core, worker
+        result = asyncio.run(_drain_mid_traffic(store, manifest, proc, drained))
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.wait(30)
+        try:
+            os.unlink(os.path.join(store.local_path("replicas"), f"{drained}.json"))
+        except OSError:
+            pass
+    print("drain:", {k: v for k, v in result.items() if k != "groups"})
+    assert drained not in {r.replica_id for r in replicas.list_replicas(store)}
+    assert live_pids(group) == set()
+    assert not any(key in f.read_text(errors="replace") for f in logs.iterdir())
+    groups, late = result["groups"][:6], result["groups"][6:]
+    assert all(len(g) == 8 for g in result["groups"])  # every sample of every group
+    assert all(len({s.replica for s in g}) == 1 for g in groups if any(s.replica == drained for s in g))
+    assert sum(g[0].replica == drained for g in groups) >= 1  # it had groups when it was asked to leave
+    assert not any(s.replica == drained for g in late for s in g)  # and got no new one after
+    assert result["proxy_retries"] == {k: 0 for k in result["proxy_retries"]} and not result["worker_retries"]
+    assert result["left_after_s"] < 60, result
+    mine = [e for e in events.read_all(store) if e.get("replica") == drained]
+    assert [e["kind"] for e in mine if e["kind"] == events.REPLICA_DRAINING] == [events.REPLICA_DRAINING]
+    stopped = [e for e in mine if e["kind"] == events.REPLICA_STOPPED]
+    assert len(stopped) == 1 and stopped[0]["drained"] is True and stopped[0]["drain"] == "idle", stopped
+
+
+async def _drain_mid_traffic(store: Store, manifest: Any, proc: Any, drained: str) -> dict[str, Any]:
+    proxy = Proxy(ProxyConfig(refresh_s=0.5, watch_adapters=False, scale_interval_s=0), store, manifest)
+    async with served(proxy) as url, httpx.AsyncClient(base_url=url, timeout=300) as client:
+        deadline = time.monotonic() + 120
+        while drained not in proxy.routable:
+            assert time.monotonic() < deadline, "the replica never joined"
+            await asyncio.sleep(0.2)
+        base = manifest.base_model
+        gen = Generator(client, base, SamplingParams(temperature=1.0), max_completion_length=24)
+        prompts = [[1, 9690, 198] + list(range(3000 + 97 * g, 3060 + 97 * g)) for g in range(10)]
+        first = [asyncio.create_task(gen.completions(base, p, 8)) for p in prompts[:6]]
+        while proxy.router.inflight(drained) == 0:
+            assert not all(t.done() for t in first), "no request ever reached the replica"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # mid-generation
+        inflight = proxy.router.inflight(drained)
+        proc.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        while drained not in proxy.membership.draining:
+            assert time.monotonic() - asked < 10, "the proxy never saw it draining"
+            await asyncio.sleep(0.02)
+        noticed = time.monotonic() - asked
+        late = [asyncio.create_task(gen.completions(base, p, 8)) for p in prompts[6:]]
+        groups = await asyncio.gather(*first, *late)
+        while drained in proxy.routable:
+            assert time.monotonic() - asked < 120, "the drained replica never left"
+            await asyncio.sleep(0.05)
+        return {
+            "groups": groups,
+            "inflight_when_asked": inflight,
+            "noticed_after_s": round(noticed, 2),
+            "left_after_s": round(time.monotonic() - asked, 2),
+            "proxy_retries": dict(proxy.forwarder.retries),
+            "worker_retries": dict(gen.retries),
+        }
 
 
 def test_routing_snapshots_go_to_the_bucket(run_store):

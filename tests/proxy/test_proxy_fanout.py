@@ -639,6 +639,55 @@ def test_stale_heartbeat_drops_a_replica(run_store):
     run(body())
 
 
+def test_a_draining_replica_gets_no_new_group_and_keeps_its_own(run_store):
+    """Fakes hold their answers, so that a group stays in flight on the replica that then registers as draining
+    (what its sidecar does on SIGTERM): its remaining siblings still go there, every new group goes to the other,
+    the proxy says so once (an event), and the replica leaves when it deregisters."""
+    store, manifest = run_store
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+    infos = {f.name: register_fake(store, manifest, f.name) for f in fakes}
+    cfg = ProxyConfig(refresh_s=0.05, replica_timeout_s=30, watch_adapters=False)
+
+    def group(i: int) -> dict[str, Any]:
+        return {"model": "base", "prompt": list(range(100 * i, 100 * i + 40)), "max_tokens": 4}
+
+    async def body():
+        async with running(store, manifest, cfg, fakes) as (proxy, client, _t):
+            assert sorted(proxy.routable) == ["r0", "r1"]
+            for f in fakes:
+                f.hold = asyncio.Event()
+            first = [asyncio.create_task(client.post("/v1/completions", json=group(1))) for _ in range(3)]
+            while sum(proxy.router.inflight_all().values()) < 3:
+                await asyncio.sleep(0.01)
+            home = next(r for r, n in proxy.router.inflight_all().items() if n == 3)
+            other = "r1" if home == "r0" else "r0"
+            info = infos[home]
+            info.draining = True
+            register(store, info)  # the sidecar's SIGTERM: the same replica, now draining
+            while home not in proxy.membership.draining:
+                await asyncio.sleep(0.02)
+            assert proxy._load().serving == 1  # the autoscaler counts it out already
+            rest = [asyncio.create_task(client.post("/v1/completions", json=group(1))) for _ in range(5)]
+            new = [asyncio.create_task(client.post("/v1/completions", json=group(i))) for i in range(2, 8)]
+            while sum(proxy.router.inflight_all().values()) < 3 + 5 + 6:
+                await asyncio.sleep(0.01)
+            for f in fakes:
+                f.hold.set()
+            answers = await asyncio.gather(*first, *rest, *new)
+            assert all(a.status_code == 200 for a in answers)
+            assert [a.json()["served_by"] for a in answers[:8]] == [home] * 8  # the group stayed whole
+            assert {a.json()["served_by"] for a in answers[8:]} == {other}  # no new group on the draining one
+            store.delete(f"replicas/{home}.json")  # drained: it deregisters
+            while home in proxy.routable:
+                await asyncio.sleep(0.02)
+            assert proxy.membership.draining == set() and proxy._load().serving == 1
+
+    run(body())
+    drained = [e for e in events.read_all(store) if e["kind"] == events.REPLICA_DRAINING]
+    assert len(drained) == 1 and drained[0]["replica"] in ("r0", "r1") and drained[0]["inflight"] == 3, drained
+    assert events.REPLICA_REMOVED in kinds(store)
+
+
 def test_restarted_proxy_adopts_adapters_the_replicas_serve(run_store):
     """Fakes start out already serving an adapter, as replicas do when only the proxy restarted."""
     store, manifest = run_store

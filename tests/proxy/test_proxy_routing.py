@@ -385,3 +385,41 @@ def test_reservations_lapse():
     for i in range(4):  # more than twice the requests in flight (none), plus 2, routed since
         r.route_tokens("m", prompt(900 + i))
     assert group.reserved == 0 and group.expected == 0
+
+
+def test_a_draining_replica_takes_no_new_group_but_keeps_the_siblings_of_its_own():
+    """A replica asked to leave: new groups (and a multi-turn continuation of its prompts) go elsewhere, the
+    siblings of a group in flight there follow it whatever its load; a group whose requests all ended moves."""
+    r = router(("r0", "r1"), spill_threshold=2)
+    d = r.route_tokens("m", prompt(1), max_tokens=64)
+    r.start(d)
+    home, other = d.replica, "r1" if d.replica == "r0" else "r0"
+    r.set_draining([home])
+    assert r.draining == {home}
+    for i in range(2, 8):  # new groups, however idle the draining replica is
+        n = r.route_tokens("m", prompt(i), max_tokens=64)
+        assert n.replica == other, i
+        r.start(n)
+    for _ in range(7):  # siblings of the group already there, though it is far less loaded than the other
+        s = r.route_tokens("m", prompt(1), max_tokens=64)
+        assert (s.replica, s.kind) == (home, PREFIX_HIT)
+        r.start(s)
+    assert r.route_tokens("m", prompt(1) + list(range(40)), max_tokens=64).replica == other  # its prefix, not a group
+    assert r.least_loaded() == other and r.route_any().replica == other
+    # Its requests end: a later request of that prompt is no sibling in flight, and goes elsewhere.
+    for _ in range(8):
+        r.finish(d)
+    r._groups.expire(0)  # the reservation of siblings expected lapses (routing enough other requests does it)
+    late = r.route_tokens("m", prompt(1), max_tokens=64)
+    assert (late.replica, late.kind) == (other, SPILL)
+
+
+def test_when_only_draining_replicas_are_left_they_still_serve():
+    r = router(("r0", "r1"))
+    r.set_draining(["r0", "r1"])
+    assert r.route_tokens("m", prompt(1)) is not None and r.least_loaded() is not None
+    r.set_draining(["r0"])
+    r.set_replicas(["r0"])  # the other one left: better the draining replica than no answer
+    assert r.route_tokens("m", prompt(2)).replica == "r0"
+    r.set_replicas(["r1"])
+    assert r.draining == set()  # a removed replica is no longer draining

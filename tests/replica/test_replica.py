@@ -14,22 +14,26 @@ import httpx
 import pytest
 
 from bucket import adapters, events, layout, live, replicas
+from bucket.config import BucketConfig
 from bucket.manifest import RunSpec, init_or_check, read_manifest
+from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 from bucket.version import Version
 from replica import mirror as mirror_mod
 from replica.config import ReplicaConfig
+from replica.main import Replica
 from replica.mirror import AdapterMirror
 from replica.vllm_server import (
     ReplicaError,
     ServerPlan,
     VllmServer,
+    count_requests,
     lora_rank_cap,
     lora_roots,
     plan_server,
     scheduling_policy,
 )
-from tests.helpers import REPO_ROOT, free_port, make_adapter_files, start_replica
+from tests.helpers import REPO_ROOT, free_port, make_adapter_files
 from tests.promql import missing, scrape
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -229,37 +233,84 @@ def test_broken_model_fails_with_vllms_own_words_and_leaves_no_process(tmp_path,
     assert leftovers == []
 
 
-def test_sigterm_deregisters_and_stops_vllm(tmp_path, run_store, model_dir):
-    """SIGTERM to the sidecar must leave neither a registry entry nor a process of vLLM's tree. The replica
-    runs with an API key: vLLM refuses /v1/* without it, and the key is on no command line and in no log."""
+# SIGTERM to a serving replica (it drains, deregisters, leaves no process of vLLM's tree, its API key on no
+# command line and in no log): tests/proxy/test_proxy_failures.py::test_a_draining_replica_finishes_its_groups_then_
+# leaves, with traffic through the proxy.
+
+
+class CountingServer:
+    """A vLLM stand-in for the drain: it answers /metrics' running + waiting from a script, then its last value."""
+
+    def __init__(self, counts: list[int | None]) -> None:
+        self.counts = counts
+        self.reads = 0
+
+    def alive(self) -> bool:
+        return True
+
+    def requests(self, timeout_s: float = 5.0) -> int | None:
+        self.reads += 1
+        return self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
+
+
+def draining_replica(store, monkeypatch, counts: list[int | None], **settings) -> tuple[Replica, ReplicaInfo]:
+    from replica import main
+
+    monkeypatch.setattr(main, "DRAIN_POLL_S", 0.02)
+    monkeypatch.setattr(main, "DRAIN_IDLE_S", 0.2)
+    rep = Replica(ReplicaConfig(replica_id="r-drain", **settings), RunSpec(), BucketConfig(url=store.url))
+    rep.server = CountingServer(counts)
+    fields = {"url": "http://x", "adapter_root": "/a", "base_model": "m", "block_size": 16, "max_loras": 4}
+    info = ReplicaInfo(replica_id="r-drain", started_at=1.0, **fields)
+    replicas.register(store, info)
+    rep.registered = True
+    return rep, info
+
+
+def test_vllm_metrics_count_running_and_waiting_requests():
+    text = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0\n'
+    )
+    assert count_requests(text) == 6 and count_requests("vllm:num_requests_running 0.0\n") == 0
+    assert count_requests("") == 0  # a vLLM without the gauges: nothing it would show to wait for
+
+
+def test_a_drain_waits_until_vllm_is_idle_and_not_before_the_proxy_could_notice(run_store, monkeypatch):
+    """Registered as draining at once; done only once vLLM read idle for DRAIN_IDLE_S (a single 0 between two
+    requests proves nothing) and drain_s had passed; a read that failed (None) is not idle."""
     store, _ = run_store
-    port = free_port()
-    key = "replica-secret-5f2c"
-    env = {**os.environ, "BRIGADE_REPLICA_API_KEY": key}
-    logs = tmp_path / "logs"
-    proc, log_path = start_replica(store.url, model_dir, port, "test-replica-sigterm", "1", str(logs), env=env)
-    try:
-        deadline = time.monotonic() + 400
-        while "test-replica-sigterm" not in {r.replica_id for r in replicas.list_replicas(store)}:
-            assert proc.poll() is None, open(log_path).read()[-3000:]
-            assert time.monotonic() < deadline, "the replica did not register"
-            time.sleep(1)
-        url = f"http://127.0.0.1:{port}/v1/models"
-        assert httpx.get(url, timeout=30).status_code == 401
-        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
-        assert not any(key in c for c in process_cmdlines().values())
-        vllm_pids = {pid for pid, c in process_cmdlines().items() if f"--port {port}" in c}
-        group = set().union(*(_group_members(pid) for pid in vllm_pids))
-        assert vllm_pids and len(group) >= 3  # API server, engine core, worker
-        proc.terminate()
-        assert proc.wait(90) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "test-replica-sigterm" not in {r.replica_id for r in replicas.list_replicas(store)}
-    assert live_pids(group) == set()
-    assert not any(key in f.read_text(errors="replace") for f in logs.iterdir())
+    rep, info = draining_replica(store, monkeypatch, [3, 1, 0, 2, None, 0], drain_s=0.5, drain_timeout_s=30)
+    t0 = time.monotonic()
+    out = rep._drain(store, info)
+    took = time.monotonic() - t0
+    assert out["drained"] is True and out["drain"] == "idle", out
+    assert replicas.read(store, "r-drain").draining is True  # what the proxy read meanwhile
+    assert took >= 0.5 and rep.server.counts == [0], (took, rep.server.counts)  # read past every busy answer
+    rep, info = draining_replica(store, monkeypatch, [0, 0, 2, 0], drain_s=0, drain_timeout_s=30)
+    t0 = time.monotonic()
+    assert rep._drain(store, info)["drain"] == "idle"
+    assert time.monotonic() - t0 >= 0.2 + 2 * 0.02  # idle for 0.2 s after the 2, read after two polls
+
+
+def test_a_drain_ends_at_its_timeout_or_at_a_second_signal(run_store, monkeypatch):
+    store, _ = run_store
+    rep, info = draining_replica(store, monkeypatch, [4], drain_s=0.1, drain_timeout_s=0.4)
+    t0 = time.monotonic()
+    assert rep._drain(store, info)["drain"] == "timeout" and 0.4 <= time.monotonic() - t0 < 5
+    rep, info = draining_replica(store, monkeypatch, [4], drain_s=0.1, drain_timeout_s=60)
+    rep._asked_to_stop()  # the first signal: drain
+    assert rep.draining.is_set() and not rep.stop.is_set()
+    threading.Timer(0.2, rep._asked_to_stop).start()  # the second: at once
+    t0 = time.monotonic()
+    assert rep._drain(store, info)["drain"] == "stopped" and time.monotonic() - t0 < 5
+    assert rep.hurry.is_set() and rep.stop.is_set()
+    starting = Replica(ReplicaConfig(), RunSpec(), BucketConfig(url=store.url))
+    starting._asked_to_stop()  # not registered yet: nothing to drain
+    assert starting.stop.is_set() and not starting.draining.is_set()
 
 
 # -- the session's two real replicas --------------------------------------------------------------------
