@@ -176,9 +176,9 @@ class AdapterFanout:
             rolled_back: list[ReplicaResult] = []
             probe_failed: dict[str, str] = {}
             if not failed and ad.canary is not None:
-                verdicts = [v for _, _, v in outcomes if v is not None]
-                probe_failed = {t.replica_id: v.reason for t, v in zip(targets, verdicts) if not v.ok}
-                undecided = {t.replica_id for t, v in zip(targets, verdicts) if v.result == "inconclusive"}
+                verdicts = {res.replica: v for res, _, v in outcomes if v is not None}
+                probe_failed = {rid: v.reason for rid, v in verdicts.items() if not v.ok}
+                undecided = {rid for rid, v in verdicts.items() if v.result == "inconclusive"}
                 now = time.monotonic()
                 if undecided or len(probe_failed) == len(targets):
                     # Inconclusive is never a pass, and not the replica's fault either (the version is too close

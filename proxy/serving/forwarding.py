@@ -111,10 +111,8 @@ class Forwarder:
         return slots
 
     # -- generation ----------------------------------------------------------------------------
-    def _route(self, payload: dict[str, Any], tokens: list[int] | None, text: str | None, tried: set[str]):
+    def _route(self, payload: dict[str, Any], tokens: list[int] | None, text: str | None, tried: set[str], n: int):
         router = self.state.router
-        n = payload.get("n")
-        n = n if type(n) is int and n > 0 else 1
         max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
         max_tokens = max_tokens if type(max_tokens) is int and max_tokens > 0 else None
         if tokens is not None:
@@ -183,9 +181,9 @@ class Forwarder:
         request_priority = payload.get("priority")
         request_priority = request_priority if type(request_priority) is int else 0
         n = payload.get("n")
-        sequences = n if type(n) is int and n > 0 else 1
+        sequences = n if type(n) is int and n > 0 else 1  # completions asked: the sequences it runs
         while True:
-            decision = self._route(payload, tokens, text, tried)
+            decision = self._route(payload, tokens, text, tried, sequences)
             if decision is None:
                 release_global()
                 why = f" (no answer from {sorted(tried)})" if tried else ""
