@@ -15,6 +15,8 @@ trainer/progress.json                      trainer, every step: its cursors (rol
 trainer/DONE.json                          trainer, when it reached max_steps
 rollout_workers/<worker>/data_cursor.json  rollout worker, after every shard: where it is in its prompts
 proxy/live.json                            proxy, when its live adapters change; read by replica mirrors
+proxy/drains/<replica_id>.json             proxy, when it sees a replica draining and again when nothing of its
+                                           traffic is left there (released); read by that replica's sidecar
 
 Version folders (v000001) and the keys, names and paths built from them: bucket/version.py.
 """
@@ -34,6 +36,7 @@ TRAINER_PROGRESS = "trainer/progress.json"
 TRAINER_DONE = "trainer/DONE.json"
 ROLLOUT_WORKERS = "rollout_workers"
 PROXY_LIVE = "proxy/live.json"
+PROXY_DRAINS = "proxy/drains"
 
 
 def data_cursor_key(worker: str) -> str:

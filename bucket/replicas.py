@@ -96,6 +96,44 @@ def list_replicas(store: Store, known: Mapping[str, ReplicaInfo] | None = None) 
     return out
 
 
+class DrainRelease(BaseModel):
+    """The proxy's word on a draining replica (one writer: the proxy; one reader: that replica's sidecar).
+
+    vLLM's own gauges cannot end a drain: a group's siblings come one by one (n = 1 requests under a bounded
+    concurrency), so vLLM reads idle between two of them while the proxy still expects the rest there. Only the
+    proxy knows what it has in flight, held for a slot, or expected at a replica. It writes this entry when it
+    sees the replica draining (`released` false: a proxy is watching, wait for its word) and again once none of
+    its requests are in flight or expected there and it routes nothing more there (`released` true)."""
+
+    replica_id: str
+    started_at: float  # the replica incarnation's (ReplicaInfo.started_at): an old entry never releases a new one
+    released: bool = False
+    inflight: int = 0  # requests in flight there when written
+    at: float = 0.0
+
+
+def drain_key(replica_id: str) -> str:
+    return f"{layout.PROXY_DRAINS}/{replica_id}.json"
+
+
+def write_drain(store: Store, entry: DrainRelease) -> None:
+    entry.at = time.time()
+    store.put_json(drain_key(entry.replica_id), entry.model_dump())
+
+
+def read_drain(store: Store, info: ReplicaInfo) -> DrainRelease | None:
+    """The proxy's word on this incarnation of a draining replica, None while it has said nothing."""
+    try:
+        entry = DrainRelease(**store.get_json(drain_key(info.replica_id)))
+    except (NotFound, ValueError):
+        return None
+    return entry if entry.started_at == info.started_at else None
+
+
+def clear_drain(store: Store, replica_id: str) -> None:
+    store.delete(drain_key(replica_id))
+
+
 class LivenessTracker:
     """Which registered replicas are alive, judged on the caller's clock."""
 

@@ -61,17 +61,18 @@ class ReplicaConfig(BaseModel):
     drain_s: float = Field(
         2.0,
         ge=0,
-        description="On SIGTERM: the proxy's time to notice (it re-reads the registry every proxy.refresh_s): the "
-        "drain waits at least this long after marking the replica draining before it trusts an idle vLLM, and vLLM "
-        "keeps serving this long after the replica deregistered.",
+        description="On SIGTERM: the proxy's time to notice (it re-reads the registry every proxy.refresh_s). A "
+        "drain with no proxy's word by this + 5 s ends on vLLM's idle gauges instead, and then vLLM keeps serving "
+        "this long after the replica deregistered (not after a proxy released it: it routes nothing here since).",
     )
     drain_timeout_s: float = Field(
         120.0,
         ge=0,
         description="On SIGTERM the replica first drains: it registers as draining (the proxy sends it no new "
-        "groups, only the siblings of groups already here), waits until its vLLM has nothing running or waiting, "
-        "at most this long, then deregisters and stops. A second SIGTERM/SIGINT stops at once. 0 = no drain: "
-        "deregister at once (requests still running are cut, and the proxy retries them elsewhere).",
+        "groups, only the siblings of groups already here), waits until the proxy says it has nothing more here "
+        "and vLLM has nothing running or waiting, at most this long, then deregisters and stops. A second "
+        "SIGTERM/SIGINT stops at once. 0 = no drain: deregister at once (requests still running are cut, and the "
+        "proxy retries them elsewhere).",
     )
     startup_timeout_s: float = Field(
         300.0, gt=0, description="Give up if vLLM is not healthy within this many seconds."

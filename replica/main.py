@@ -10,11 +10,11 @@ The sidecar (this process):
   4. when the bucket is not a local folder, mirrors committed adapters into a
      local cache, since vLLM loads adapters from local paths only;
   5. on SIGTERM/SIGINT drains: registers as draining (the proxy sends no new
-     groups here, only the siblings of groups already here), waits until vLLM
-     has nothing running or waiting (at most `drain_timeout_s`), then
-     deregisters, lets vLLM serve `drain_s` more and stops its whole process
-     tree; a second signal stops at once. When vLLM dies, it deregisters and
-     stops at once.
+     groups here, only the siblings of groups already here), waits until the
+     proxy says it has nothing more here (drain.py; at most
+     `drain_timeout_s`), then deregisters and stops its whole process tree; a
+     second signal stops at once. When vLLM dies, it deregisters and stops at
+     once.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from bucket.store import Store
 from bucket.version import Version
 from replica import warmup
 from replica.config import ReplicaConfig
+from replica.drain import wait_drained
 from replica.metrics import ReplicaMetrics
 from replica.mirror import AdapterMirror
 from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roots, plan_server, scheduling_policy
@@ -48,10 +49,6 @@ from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roo
 log = logging.getLogger("brigade.replica")
 
 MIRROR_POLL_S = 0.05  # one small GET of adapters/LATEST.json: a new version is copied ~50 ms after its commit
-DRAIN_POLL_S = 0.25  # how often a draining replica reads vLLM's running and waiting requests
-# Idle for this long before the drain ends: a request the proxy held for a free slot here is sent the moment one
-# frees, so a single read of 0 between two requests proves nothing.
-DRAIN_IDLE_S = 1.0
 
 
 def replica_id(rc: ReplicaConfig) -> str:
@@ -105,6 +102,7 @@ class Replica:
         self.stop = threading.Event()
         self.draining = threading.Event()  # the first SIGTERM/SIGINT once registered: finish the work here, then stop
         self.hurry = threading.Event()  # a second one: stop now, no more waiting
+        self.released = False  # the proxy said it has nothing more here (drain.py)
         self.rid = replica_id(self.rc)
         self.registered = False
         self.server: VllmServer | None = None
@@ -332,10 +330,8 @@ class Replica:
             )
 
     def _drain(self, store: Store, info: ReplicaInfo) -> dict[str, object]:
-        """Finish the work here before leaving: registered as draining, the proxy sends no new groups, only the
-        siblings of groups already here; wait for vLLM to be idle (nothing running or waiting for DRAIN_IDLE_S,
-        and not before the proxy had drain_s to notice), at most drain_timeout_s or until a second signal."""
-        t0 = time.monotonic()
+        """Finish the work here before leaving (drain.py): registered as draining, the proxy sends no new groups,
+        only the siblings of groups already here, and says when it has nothing more here."""
         print(
             f"brigade replica {self.rid}: draining (no new groups; at most {self.rc.drain_timeout_s:.0f}s, "
             "a second signal stops at once)",
@@ -349,33 +345,16 @@ class Replica:
             except Exception as exc:  # the next heartbeat writes it again
                 log.warning("could not register as draining: %s", exc)
         self.metrics.draining.set(1)
-        noticed_at, deadline = t0 + self.rc.drain_s, t0 + self.rc.drain_timeout_s
-        idle_since: float | None = None
-        outcome = "timeout"
-        while not self.stop.is_set():
-            if not self.server.alive():
-                outcome = "vllm_exited"
-                break
-            now = time.monotonic()
-            busy = self.server.requests(timeout_s=2.0)
-            if busy == 0:
-                idle_since = now if idle_since is None else idle_since
-                if now >= noticed_at and now - idle_since >= DRAIN_IDLE_S:
-                    outcome = "idle"
-                    break
-            else:
-                idle_since = None
-            if now >= deadline:
-                break
-            self.stop.wait(DRAIN_POLL_S)
-        else:
-            outcome = "stopped"  # a second signal
-        seconds = round(time.monotonic() - t0, 1)
-        if outcome == "idle":
-            log.info("drained in %.1fs: nothing running or waiting", seconds)
-        else:
-            log.warning("drain ended after %.1fs (%s); requests still running are cut", seconds, outcome)
-        return {"drained": outcome == "idle", "drain": outcome, "drain_s": seconds}
+        result = wait_drained(
+            self.server,
+            store,
+            info,
+            drain_s=self.rc.drain_s,
+            drain_timeout_s=self.rc.drain_timeout_s,
+            stop=self.stop,
+        )
+        self.released = result.outcome == "released"
+        return result.fields()
 
     def _shutdown(self, store: Store) -> None:
         self.stop.set()
@@ -389,8 +368,10 @@ class Replica:
                 self.metrics.registered.set(0)
             except Exception as exc:
                 log.warning("could not deregister %s: %s", self.rid, exc)
-            # A clean leave: requests the proxy sends before it notices are still answered.
-            if self.server is not None and self.server.alive() and self.rc.drain_s > 0 and not self.hurry.is_set():
+            # A clean leave: requests the proxy sends before it notices are still answered (none once the
+            # proxy released this replica: it routes nothing here since).
+            waits = self.rc.drain_s > 0 and not self.hurry.is_set() and not self.released
+            if self.server is not None and self.server.alive() and waits:
                 log.info("deregistered; serving %.1fs more before stopping vLLM", self.rc.drain_s)
                 self.hurry.wait(self.rc.drain_s)
         if self.server is not None:

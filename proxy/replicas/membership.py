@@ -19,8 +19,9 @@ answers again and it holds every live adapter.
 
 A replica whose sidecar was asked to stop says so in its registry entry
 (`draining`): it gets no new groups, only the siblings of groups already
-there (routing/router.py), until it deregisters once its vLLM is idle. A
-draining replica is never joined or re-admitted.
+there (routing/router.py), until nothing of the proxy's traffic is left
+there; the proxy then takes it out of routing and tells it that it may go
+(drains.py). A draining replica is never joined or re-admitted.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ import httpx
 
 from bucket import adapters, events
 from bucket.canary import read_canary
-from bucket.replicas import LivenessTracker, ReplicaInfo, list_replicas
+from bucket.replicas import DrainRelease, LivenessTracker, ReplicaInfo, list_replicas
 from bucket.version import BadVersion, Version
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
+from proxy.replicas.drains import Drains
 from proxy.replicas.upstream import Upstream
 from proxy.state import ProxyState
 
@@ -95,7 +97,7 @@ class Membership:
         self.ejected: dict[str, str] = {}  # replica id -> why; still registered, receives no traffic
         self.ejections: dict[tuple[str, str], int] = {}  # (replica, cause) -> count, for metrics
         self.readmissions: dict[str, int] = {}
-        self.draining: set[str] = set()  # routable replicas that asked to leave: no new groups go there
+        self.drains = Drains(state)  # replicas that asked to leave, until they may go
         self.on_removed = on_removed
         self.after_join = after_join
         self.loaded_changed = loaded_changed
@@ -183,7 +185,7 @@ class Membership:
             if rid not in alive or alive[rid].draining:
                 task.cancel()
                 self.joining.pop(rid, None)
-        self._mark_draining({rid for rid in routable if alive[rid].draining})
+        await self._drain(alive)
         now = time.monotonic()
         for rid, info in alive.items():
             if info.draining:
@@ -191,20 +193,39 @@ class Membership:
             if rid not in routable and rid not in self.joining and now >= self._join_retry_at.get(rid, 0.0):
                 self.joining[rid] = asyncio.create_task(self._join(info), name=f"join-{rid}")
 
-    def _mark_draining(self, draining: set[str]) -> None:
-        """The routable replicas that asked to leave: the router gives them no new groups."""
-        if draining == self.draining:
-            return
-        for rid in sorted(draining - self.draining):
+    @property
+    def draining(self) -> set[str]:
+        """Routable replicas that asked to leave: no new groups go there."""
+        return self.drains.draining
+
+    async def _drain(self, alive: dict[str, ReplicaInfo]) -> None:
+        """Draining replicas: the router keeps them for their groups' siblings only; once nothing of the proxy's
+        traffic is in flight or expected there, out of routing, and the replica is told it may go."""
+        routable, drains = self.state.routable, self.drains
+        for rid in drains.mark({rid for rid in routable if alive[rid].draining}):
             inflight = self.state.router.inflight(rid)
             log.info("replica %s is draining: no new groups; %d requests in flight there finish", rid, inflight)
-            self._emit_soon(events.REPLICA_DRAINING, replica=rid, inflight=inflight, routable=len(self.state.routable))
-        self.draining = draining
-        self.state.router.set_draining(draining)
+            self._emit_soon(events.REPLICA_DRAINING, replica=rid, inflight=inflight, routable=len(routable))
+            await drains.write(DrainRelease(replica_id=rid, started_at=routable[rid].started_at, inflight=inflight))
+        # An ejected replica that asked to leave has nothing of ours left: it may go at once.
+        leaving = [rid for rid in self.ejected if alive.get(rid) and alive[rid].draining and rid not in drains.released]
+        for rid in drains.ready() + leaving:
+            info = self._remove(rid) if rid in routable else alive[rid]
+            self.ejected.pop(rid, None)
+            log.info("replica %s drained: nothing in flight or expected there; it may go", rid)
+            self._emit_soon(events.REPLICA_REMOVED, replica=rid, reason="drained", routable=len(routable))
+            await drains.write(drains.released_now(info))
+        for rid, info in list(drains.released.items()):
+            now = alive.get(rid)
+            if now is None or _incarnation(now) != _incarnation(info):  # it left (or came back anew)
+                await drains.clear(rid)
+                if now is None:
+                    self._soon(self.upstream.forget(info.url))
+        await drains.retry_unwritten()
 
     def _remove(self, replica_id: str) -> ReplicaInfo | None:
         info = self.state.routable.pop(replica_id, None)
-        self.draining.discard(replica_id)
+        self.drains.forget(replica_id)
         self.state.router.set_replicas(self.state.routable)
         self.on_removed(replica_id)
         return info
@@ -213,6 +234,7 @@ class Membership:
         info = self._remove(replica_id)
         if info is not None and why == "gone":  # its connections go with it (a restart keeps the URL's)
             self._soon(self.upstream.forget(info.url))
+            self._soon(self.drains.clear(replica_id))  # a drain that ended on its side (timeout, second signal)
         self.ejected.pop(replica_id, None)
         log.warning("replica %s left (%s); %d replicas receive traffic", replica_id, why, len(self.state.routable))
         self._emit_soon(events.REPLICA_REMOVED, replica=replica_id, reason=why, routable=len(self.state.routable))

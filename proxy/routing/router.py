@@ -180,6 +180,10 @@ class PrefixRouter:
     def inflight(self, replica_id: str) -> int:
         return self._inflight.get(replica_id, 0)
 
+    def expecting(self, replica_id: str) -> bool:
+        """Whether siblings of a group placed there are still expected (its reservation has not lapsed)."""
+        return self._groups.reserved.get(replica_id, 0.0) > 0.0
+
     def inflight_all(self) -> dict[str, int]:
         return {rid: self._inflight[rid] for rid in self._order}
 

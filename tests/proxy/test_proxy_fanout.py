@@ -27,12 +27,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from bucket import adapters, events, layout, live
+from bucket import adapters, events, layout, live, replicas
 from bucket.replicas import ReplicaInfo, heartbeat, register
 from bucket.store import Store
 from bucket.version import Version
 from proxy.app import Proxy
 from proxy.config import ProxyConfig
+from proxy.replicas.drains import RELEASE_QUIET_S
 from tests.proxy.seams import HttpxGeneration, asgi_app
 
 ADAPTER_FILES = {"adapter_model.safetensors": b"not really tensors", "adapter_config.json": b"{}"}
@@ -667,6 +668,8 @@ def test_a_draining_replica_gets_no_new_group_and_keeps_its_own(run_store):
             while home not in proxy.membership.draining:
                 await asyncio.sleep(0.02)
             assert proxy._load().serving == 1  # the autoscaler counts it out already
+            word = replicas.read_drain(store, info)  # the proxy is watching: the replica waits for its word
+            assert word is not None and not word.released and word.inflight == 3, word
             rest = [asyncio.create_task(client.post("/v1/completions", json=group(1))) for _ in range(5)]
             new = [asyncio.create_task(client.post("/v1/completions", json=group(i))) for i in range(2, 8)]
             while sum(proxy.router.inflight_all().values()) < 3 + 5 + 6:
@@ -677,15 +680,25 @@ def test_a_draining_replica_gets_no_new_group_and_keeps_its_own(run_store):
             assert all(a.status_code == 200 for a in answers)
             assert [a.json()["served_by"] for a in answers[:8]] == [home] * 8  # the group stayed whole
             assert {a.json()["served_by"] for a in answers[8:]} == {other}  # no new group on the draining one
-            store.delete(f"replicas/{home}.json")  # drained: it deregisters
+            # Nothing in flight or expected there any more: the proxy takes it out of routing and says it may go.
+            done = time.monotonic()
             while home in proxy.routable:
                 await asyncio.sleep(0.02)
+            assert time.monotonic() - done < RELEASE_QUIET_S + 1.0
+            assert replicas.read_drain(store, info).released and home in proxy.membership.drains.released
             assert proxy.membership.draining == set() and proxy._load().serving == 1
+            answer = await client.post("/v1/completions", json=group(1))  # a late sibling goes elsewhere
+            assert answer.json()["served_by"] == other
+            store.delete(f"replicas/{home}.json")  # the sidecar deregisters: its drain entry goes
+            while replicas.read_drain(store, info) is not None:
+                await asyncio.sleep(0.02)
+            assert home not in proxy.membership.drains.released
 
     run(body())
     drained = [e for e in events.read_all(store) if e["kind"] == events.REPLICA_DRAINING]
     assert len(drained) == 1 and drained[0]["replica"] in ("r0", "r1") and drained[0]["inflight"] == 3, drained
-    assert events.REPLICA_REMOVED in kinds(store)
+    removed = [e for e in events.read_all(store) if e["kind"] == events.REPLICA_REMOVED]
+    assert [e["reason"] for e in removed] == ["drained"], removed
 
 
 def test_restarted_proxy_adopts_adapters_the_replicas_serve(run_store):

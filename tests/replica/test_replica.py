@@ -16,7 +16,7 @@ import pytest
 from bucket import adapters, events, layout, live, replicas
 from bucket.config import BucketConfig
 from bucket.manifest import RunSpec, init_or_check, read_manifest
-from bucket.replicas import ReplicaInfo
+from bucket.replicas import DrainRelease, ReplicaInfo
 from bucket.store import Store
 from bucket.version import Version
 from replica import mirror as mirror_mod
@@ -254,10 +254,11 @@ class CountingServer:
 
 
 def draining_replica(store, monkeypatch, counts: list[int | None], **settings) -> tuple[Replica, ReplicaInfo]:
-    from replica import main
+    from replica import drain
 
-    monkeypatch.setattr(main, "DRAIN_POLL_S", 0.02)
-    monkeypatch.setattr(main, "DRAIN_IDLE_S", 0.2)
+    monkeypatch.setattr(drain, "DRAIN_POLL_S", 0.02)
+    monkeypatch.setattr(drain, "DRAIN_IDLE_S", 0.2)
+    monkeypatch.setattr(drain, "NO_PROXY_AFTER_S", 0.1)
     rep = Replica(ReplicaConfig(replica_id="r-drain", **settings), RunSpec(), BucketConfig(url=store.url))
     rep.server = CountingServer(counts)
     fields = {"url": "http://x", "adapter_root": "/a", "base_model": "m", "block_size": 16, "max_loras": 4}
@@ -279,9 +280,12 @@ def test_vllm_metrics_count_running_and_waiting_requests():
     assert count_requests("") == 0  # a vLLM without the gauges: nothing it would show to wait for
 
 
-def test_a_drain_waits_until_vllm_is_idle_and_not_before_the_proxy_could_notice(run_store, monkeypatch):
-    """Registered as draining at once; done only once vLLM read idle for DRAIN_IDLE_S (a single 0 between two
-    requests proves nothing) and drain_s had passed; a read that failed (None) is not idle."""
+def test_without_a_proxy_word_a_drain_waits_until_vllm_is_idle_and_not_before_a_proxy_could_speak(
+    run_store, monkeypatch
+):
+    """No proxy wrote a drain entry (none reads this registry): registered as draining at once; done only once
+    drain_s + NO_PROXY_AFTER_S passed and vLLM read idle for DRAIN_IDLE_S (a single 0 between two requests proves
+    nothing); a read that failed (None) is not idle."""
     store, _ = run_store
     rep, info = draining_replica(store, monkeypatch, [3, 1, 0, 2, None, 0], drain_s=0.5, drain_timeout_s=30)
     t0 = time.monotonic()
@@ -289,11 +293,34 @@ def test_a_drain_waits_until_vllm_is_idle_and_not_before_the_proxy_could_notice(
     took = time.monotonic() - t0
     assert out["drained"] is True and out["drain"] == "idle", out
     assert replicas.read(store, "r-drain").draining is True  # what the proxy read meanwhile
-    assert took >= 0.5 and rep.server.counts == [0], (took, rep.server.counts)  # read past every busy answer
+    assert took >= 0.6 and rep.server.counts == [0], (took, rep.server.counts)  # read past every busy answer
+    assert not rep.released  # so vLLM serves drain_s more after the deregistration, for a proxy that is late
     rep, info = draining_replica(store, monkeypatch, [0, 0, 2, 0], drain_s=0, drain_timeout_s=30)
     t0 = time.monotonic()
     assert rep._drain(store, info)["drain"] == "idle"
     assert time.monotonic() - t0 >= 0.2 + 2 * 0.02  # idle for 0.2 s after the 2, read after two polls
+
+
+def test_a_drain_ends_on_the_proxy_word_not_on_an_idle_vllm(run_store, monkeypatch):
+    """A proxy that said it is watching (released: false) holds the drain however idle vLLM reads: a group's
+    siblings come one by one and vLLM is idle between them. Its `released: true` ends it once vLLM has nothing
+    running or waiting; an entry of an earlier incarnation of the same replica id says nothing."""
+    store, _ = run_store
+    rep, info = draining_replica(store, monkeypatch, [0], drain_s=0.05, drain_timeout_s=30)
+    stale = DrainRelease(replica_id="r-drain", started_at=0.5, released=True)  # the last incarnation's
+    replicas.write_drain(store, stale)
+    assert replicas.read_drain(store, info) is None
+    replicas.write_drain(store, DrainRelease(replica_id="r-drain", started_at=info.started_at, inflight=2))
+    release = DrainRelease(replica_id="r-drain", started_at=info.started_at, released=True)
+    threading.Timer(1.0, replicas.write_drain, (store, release)).start()
+    t0 = time.monotonic()
+    out = rep._drain(store, info)
+    took = time.monotonic() - t0
+    assert out["drain"] == "released" and out["drained"] is True and 1.0 <= took < 5, (out, took)
+    assert rep.released  # the proxy routes nothing here any more: no drain_s wait after deregistering
+    rep, info = draining_replica(store, monkeypatch, [2, 1, 0], drain_s=0.05, drain_timeout_s=30)
+    replicas.write_drain(store, release)  # released while vLLM still runs something (another client's)
+    assert rep._drain(store, info)["drain"] == "released" and rep.server.counts == [0]
 
 
 def test_a_drain_ends_at_its_timeout_or_at_a_second_signal(run_store, monkeypatch):
