@@ -9,9 +9,12 @@ tell that more is coming; the proxy can. Once the proxy says `released`
 more here) and vLLM has nothing running or waiting, the drain ends.
 
 When no proxy says anything within `drain_s` + NO_PROXY_AFTER_S (no proxy
-reads this registry, or one too old to write drain entries), vLLM's gauges
-are all there is: the drain ends once they read idle for DRAIN_IDLE_S. At
-most `drain_timeout_s` in any case, and a second signal ends it at once.
+reads this registry, or it was stopped first, as `brigade local` does at
+the end), or the proxy's word stops being rewritten for PROXY_SILENT_S (it
+rewrites it at each registry read; one that died mid-drain does not), vLLM's
+gauges are all there is: the drain ends once they read idle for
+DRAIN_IDLE_S. At most `drain_timeout_s` in any case, and a second signal
+ends it at once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ DRAIN_POLL_S = 0.25  # how often a draining replica reads the proxy's word and v
 # Without a proxy's word, idle for this long before the drain ends: a request the proxy held for a free slot
 # here is sent the moment one frees, so a single read of 0 between two requests proves nothing.
 DRAIN_IDLE_S = 1.0
-NO_PROXY_AFTER_S = 5.0  # no word from a proxy this long after it had drain_s to notice: none is watching
+NO_PROXY_AFTER_S = 2.0  # no word from a proxy this long after it had drain_s to notice: none is watching
+PROXY_SILENT_S = 10.0  # a proxy's word not rewritten for this long (it does at every registry read): it is gone
 
 
 @dataclass
@@ -62,6 +66,7 @@ def wait_drained(
     t0 = time.monotonic()
     deadline, unwatched_at = t0 + drain_timeout_s, t0 + drain_s + NO_PROXY_AFTER_S
     word: DrainRelease | None = None
+    word_changed_at = t0  # on this clock: the proxy's `at` is on its own
     idle_since: float | None = None
     outcome = "timeout"
     while not stop.is_set():
@@ -70,16 +75,20 @@ def wait_drained(
             break
         if word is None or not word.released:
             try:
-                word = replicas.read_drain(store, info) or word
+                read = replicas.read_drain(store, info)
             except Exception as exc:  # a bucket hiccup: read again at the next poll
                 log.warning("could not read the proxy's drain entry: %s", exc)
+                read = None
+            if read is not None and (word is None or read.at != word.at):
+                word, word_changed_at = read, time.monotonic()
         now = time.monotonic()
         busy = server.requests(timeout_s=2.0)
         idle_since = (idle_since or now) if busy == 0 else None
         if word is not None and word.released and busy == 0:
             outcome = "released"
             break
-        if word is None and now >= unwatched_at and idle_since is not None and now - idle_since >= DRAIN_IDLE_S:
+        unwatched = now >= unwatched_at if word is None else now - word_changed_at >= PROXY_SILENT_S
+        if unwatched and idle_since is not None and now - idle_since >= DRAIN_IDLE_S:
             outcome = "idle"
             break
         if now >= deadline:

@@ -9,13 +9,9 @@ loses its adapters) stops receiving traffic at the next refresh.
 A replica that fails is *ejected* long before its heartbeat times out: at
 once when it refuses a connection or breaks off before answering (the
 forwarder reports it: the passive half of the circuit breaker), or when its
-/health does not answer in time (probed every `probe_interval_s`: the active
-half). In time means within 4x the replica's own observed /health latency,
-between `probe_timeout_s` and `probe_timeout_max_s`; and a replica that
-answered a generation within `busy_grace_s` is busy, not dead: a saturated
-vLLM queues /health behind its batch, so a timeout then only stretches the
-next one. An ejected replica is re-admitted like a joiner, once /health
-answers again and it holds every live adapter.
+/health does not answer in time while it is not busy answering generations
+(the active half: health.py). An ejected replica is re-admitted like a
+joiner, once /health answers again and it holds every live adapter.
 
 A replica whose sidecar was asked to stop says so in its registry entry
 (`draining`): it gets no new groups, only the siblings of groups already
@@ -42,6 +38,7 @@ from bucket.version import BadVersion, Version
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.replicas.drains import Drains
+from proxy.replicas.health import HealthChecks
 from proxy.replicas.upstream import Upstream
 from proxy.state import ProxyState
 
@@ -92,8 +89,7 @@ class Membership:
         self._last_healthy: dict[str, float] = {}  # static replicas: when /health last said 200
         self._refresher: asyncio.Task | None = None
         self._prober: asyncio.Task | None = None
-        self.health_latency: dict[str, float] = {}  # replica -> smoothed seconds of its answered /health probes
-        self.busy_health_timeouts: dict[str, int] = {}  # /health ran out of time while the replica was answering
+        self.health = HealthChecks(state, upstream, self._eject_unhealthy)  # the active half of ejection
         self.ejected: dict[str, str] = {}  # replica id -> why; still registered, receives no traffic
         self.ejections: dict[tuple[str, str], int] = {}  # (replica, cause) -> count, for metrics
         self.readmissions: dict[str, int] = {}
@@ -116,7 +112,7 @@ class Membership:
         if self.joining:
             await asyncio.wait(list(self.joining.values()), timeout=STARTUP_JOIN_WAIT_S)
         self._refresher = asyncio.create_task(self._refresh_forever())
-        self._prober = asyncio.create_task(self._probe_forever())
+        self._prober = asyncio.create_task(self.health.run())
 
     async def close(self) -> None:
         if self._background:  # events still being written: let them land
@@ -206,10 +202,13 @@ class Membership:
             inflight = self.state.router.inflight(rid)
             log.info("replica %s is draining: no new groups; %d requests in flight there finish", rid, inflight)
             self._emit_soon(events.REPLICA_DRAINING, replica=rid, inflight=inflight, routable=len(routable))
+        ready = drains.ready()
+        for rid in sorted(drains.draining - set(ready)):  # rewritten at every read: the sidecar sees us watching
+            inflight = self.state.router.inflight(rid)
             await drains.write(DrainRelease(replica_id=rid, started_at=routable[rid].started_at, inflight=inflight))
         # An ejected replica that asked to leave has nothing of ours left: it may go at once.
         leaving = [rid for rid in self.ejected if alive.get(rid) and alive[rid].draining and rid not in drains.released]
-        for rid in drains.ready() + leaving:
+        for rid in ready + leaving:
             info = self._remove(rid) if rid in routable else alive[rid]
             self.ejected.pop(rid, None)
             log.info("replica %s drained: nothing in flight or expected there; it may go", rid)
@@ -258,6 +257,11 @@ class Membership:
             events.REPLICA_EJECTED, replica=replica_id, cause=cause, reason=reason, routable=len(self.state.routable)
         )
 
+    def _eject_unhealthy(self, info: ReplicaInfo, problem: str) -> None:
+        current = self.state.routable.get(info.replica_id)
+        if current is not None and _incarnation(current) == _incarnation(info):  # not a newer incarnation
+            self.eject(info.replica_id, problem, cause="health_probe")
+
     def _emit_soon(self, kind: events.EventKind, **fields: object) -> None:
         self._soon(self.events.emit(kind, **fields))
 
@@ -269,51 +273,6 @@ class Membership:
             return
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def health_timeout(self, replica_id: str) -> float:
-        """The time a replica's /health is given: 4x its observed latency, within the configured bounds."""
-        cfg = self.state.config
-        return min(cfg.probe_timeout_max_s, max(cfg.probe_timeout_s, 4 * self.health_latency.get(replica_id, 0.0)))
-
-    def busy(self, replica_id: str) -> bool:
-        """Answering generations: alive, whatever its /health says about time (the passive signal comes first).
-        Recently means within busy_grace_s, or twice the time its generations take to answer when that is longer
-        (a replica full of long completions answers rarely; one that stops answering for longer is not busy)."""
-        answered = self.state.answered_at.get(replica_id)
-        grace = max(self.state.config.busy_grace_s, 2 * self.state.answer_s.get(replica_id, 0.0))
-        return answered is not None and time.monotonic() - answered <= grace
-
-    async def _probe_forever(self) -> None:
-        """The active half of ejection: every routable replica's /health, every probe_interval_s."""
-        cfg = self.state.config
-        running: dict[str, asyncio.Task] = {}
-
-        async def probe(info: ReplicaInfo) -> None:
-            rid = info.replica_id
-            timeout = self.health_timeout(rid)
-            answer = await self.upstream.health(info, timeout)
-            if answer.problem is None:
-                seen = self.health_latency.get(rid)
-                self.health_latency[rid] = answer.seconds if seen is None else 0.8 * seen + 0.2 * answer.seconds
-                return
-            if answer.timed_out and self.busy(rid):
-                # A saturated replica queues /health behind its generation; it is answering, so it is alive:
-                # give its /health longer next time instead of ejecting it.
-                self.health_latency[rid] = max(self.health_latency.get(rid, 0.0), timeout)
-                self.busy_health_timeouts[rid] = self.busy_health_timeouts.get(rid, 0) + 1
-                return
-            current = self.state.routable.get(rid)
-            if current is not None and _incarnation(current) == _incarnation(info):
-                self.eject(rid, answer.problem, cause="health_probe")
-
-        while True:
-            await asyncio.sleep(cfg.probe_interval_s)
-            for rid, info in list(self.state.routable.items()):
-                if rid in running and not running[rid].done():
-                    continue  # the previous probe is still waiting; its timeout ejects
-                running[rid] = asyncio.create_task(probe(info))
-            for rid in [r for r, t in running.items() if t.done()]:
-                running.pop(rid)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -243,8 +243,8 @@ def test_a_busy_replica_whose_health_is_slow_is_not_ejected(run_store):
                 assert busy.url in proxy.routable, proxy.membership.ejected
                 i += 4
                 await asyncio.sleep(0.1)
-            assert proxy.membership.busy_health_timeouts.get(busy.url, 0) >= 1  # it did run out of time, busy
-            assert proxy.membership.health_timeout(busy.url) >= busy.health_delay_s  # and its timeout followed
+            assert proxy.membership.health.busy_timeouts.get(busy.url, 0) >= 1  # it did run out of time, busy
+            assert proxy.membership.health.timeout(busy.url) >= busy.health_delay_s  # and its timeout followed
             await asyncio.sleep(3)  # idle past busy_grace_s: /health answers within the timeout it has learnt
             assert busy.url in proxy.routable, proxy.membership.ejected
             good.mode = "hang_health"  # idle and silent: dead as far as anyone can tell

@@ -668,8 +668,9 @@ def test_a_draining_replica_gets_no_new_group_and_keeps_its_own(run_store):
             while home not in proxy.membership.draining:
                 await asyncio.sleep(0.02)
             assert proxy._load().serving == 1  # the autoscaler counts it out already
-            word = replicas.read_drain(store, info)  # the proxy is watching: the replica waits for its word
-            assert word is not None and not word.released and word.inflight == 3, word
+            while (word := replicas.read_drain(store, info)) is None:  # the proxy is watching: wait for its word
+                await asyncio.sleep(0.02)
+            assert not word.released and word.inflight == 3, word
             rest = [asyncio.create_task(client.post("/v1/completions", json=group(1))) for _ in range(5)]
             new = [asyncio.create_task(client.post("/v1/completions", json=group(i))) for i in range(2, 8)]
             while sum(proxy.router.inflight_all().values()) < 3 + 5 + 6:

@@ -323,6 +323,21 @@ def test_a_drain_ends_on_the_proxy_word_not_on_an_idle_vllm(run_store, monkeypat
     assert rep._drain(store, info)["drain"] == "released" and rep.server.counts == [0]
 
 
+def test_a_drain_whose_proxy_fell_silent_ends_on_an_idle_vllm(run_store, monkeypatch):
+    """The proxy said it is watching, then died (its word is no longer rewritten at each registry read): after
+    PROXY_SILENT_S the drain ends on vLLM's gauges instead of waiting for drain_timeout_s."""
+    from replica import drain
+
+    store, _ = run_store
+    rep, info = draining_replica(store, monkeypatch, [0], drain_s=0.05, drain_timeout_s=30)
+    monkeypatch.setattr(drain, "PROXY_SILENT_S", 0.5)
+    replicas.write_drain(store, DrainRelease(replica_id="r-drain", started_at=info.started_at, inflight=1))
+    t0 = time.monotonic()
+    out = rep._drain(store, info)
+    assert out["drain"] == "idle" and 0.5 <= time.monotonic() - t0 < 5, out
+    assert not rep.released
+
+
 def test_a_drain_ends_at_its_timeout_or_at_a_second_signal(run_store, monkeypatch):
     store, _ = run_store
     rep, info = draining_replica(store, monkeypatch, [4], drain_s=0.1, drain_timeout_s=0.4)
