@@ -28,7 +28,9 @@ from infra.timeline import VERSION_KINDS, Timeline, VersionSync
 log = logging.getLogger("brigade.dashboard")
 
 # The proxy's membership and routing events, by their names (drawn when a proxy writes them).
-MEMBERSHIP_KINDS = frozenset({"replica_admitted", "replica_readmitted", "replica_ejected", "replica_removed"})
+MEMBERSHIP_KINDS = frozenset(
+    {"replica_admitted", "replica_readmitted", "replica_ejected", "replica_removed", "replica_draining"}
+)
 ROUTING_SNAPSHOT = "routing_snapshot"
 DESIRED_REPLICAS = "desired_replicas"  # the proxy's autoscaler: the count it asks for, and the count serving
 # Kinds the dashboard draws; any other kind (a newer job's) is counted and listed, never an error.

@@ -14,9 +14,9 @@ from typing import Any
 
 from bucket import events
 from infra.dashboard import svg
-from infra.dashboard.data import RunData
+from infra.dashboard.data import MEMBERSHIP_KINDS, RunData
 
-GREY, GREEN, RED = "#9aa5b1", "#3aa35b", "#c0392b"
+GREY, GREEN, RED, AMBER = "#9aa5b1", "#3aa35b", "#c0392b", "#e0a030"
 
 
 def _lanes(data: RunData, t1: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
@@ -38,12 +38,14 @@ def _lanes(data: RunData, t1: float) -> list[tuple[str, list[tuple[float, float,
             elif kind == events.REPLICA_STOPPED and up is not None:
                 sidecar.append((up, ts, GREY, f"{rid}: up, then stopped ({e.get('reason', '')})"))
                 up = None
-            elif kind in ("replica_admitted", "replica_readmitted", "replica_ejected", "replica_removed"):
+            elif kind in MEMBERSHIP_KINDS:
                 if routed is not None:
                     proxy.append((routed[0], ts, routed[1], routed[2]))
                 routed = None
                 if kind == "replica_ejected":
                     routed = (ts, RED, f"{rid}: ejected ({e.get('cause', '')}: {e.get('reason', '')})")
+                elif kind == "replica_draining":
+                    routed = (ts, AMBER, f"{rid}: draining (its groups finish there, no new ones)")
                 elif kind != "replica_removed":
                     routed = (ts, GREEN, f"{rid}: receiving traffic")
         view = views.get(rid)

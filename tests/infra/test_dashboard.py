@@ -28,7 +28,7 @@ from bucket.manifest import read_manifest
 from bucket.replicas import ReplicaInfo
 from bucket.rollouts import RolloutShard, Sample, SamplingParams, ScoredGroup, read_shards
 from bucket.store import Store
-from infra.dashboard import health, page, terminal
+from infra.dashboard import health, page, replica_panels, terminal
 from infra.dashboard.data import RunData, percentile
 from infra.summary import summarize
 from infra.timeline import Timeline
@@ -224,6 +224,23 @@ def test_the_desired_replica_count_is_drawn_beside_the_serving_count_with_why_it
     console = Console(record=True, width=120)
     console.print(terminal.render(data))
     assert "replicas: 2 serving, 3 desired (trainer waited)" in console.export_text()
+
+
+def test_a_draining_replica_has_its_own_stretch_in_the_proxys_lane(tmp_path):
+    """Receiving traffic, then draining (its groups finish, no new ones), then removed once drained."""
+    store = synthetic_run(tmp_path / "bucket")
+    _event(store, "proxy-a", "replica_admitted", 100.5, replica="r1")
+    _event(store, "proxy-a", "replica_draining", 105.0, replica="r1", inflight=3)
+    _event(store, "proxy-a", "replica_removed", 107.0, replica="r1", reason="drained")
+    data = RunData(store)
+    data.refresh()
+    assert "replica_draining" not in data.unknown
+    lane = dict(replica_panels._lanes(data, 110.0))["r1 (proxy)"]
+    assert [(a, b, text) for a, b, _c, text in lane] == [
+        (100.5, 105.0, "r1: receiving traffic"),
+        (105.0, 107.0, "r1: draining (its groups finish there, no new ones)"),
+    ]
+    assert "r1: draining" in page.page(data, refresh_s=2)
 
 
 def test_an_inconclusive_probe_turns_the_banner_red_naming_version_and_replica(tmp_path):
