@@ -23,6 +23,7 @@ from tests.helpers import (
     LOCAL_RUN_STALENESS,
     LOCAL_RUN_STEPS,
     LOCAL_RUN_SYNC,
+    SESSION_SIDECARS,
     brigade_local,
     free_port,
     new_s3_bucket,
@@ -38,9 +39,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     Only one set of vLLM servers at a time on a 2-core machine: the tests that start their own (the chaos run,
     the end-to-end runs, `brigade local` cut short, the replica sidecar's) run before the shared two come up,
-    and those stay up until the session ends. The sort is stable: the other tests keep the order of the tree.
+    and those stay up until the session ends (the drain test, last of all, stops one of them: starting a third
+    replica for it cost a minute). The sort is stable: the other tests keep the order of the tree.
     """
-    items.sort(key=lambda item: "vllm_replicas" in getattr(item, "fixturenames", ()))
+    def order(item: pytest.Item) -> tuple[bool, bool]:
+        # the drain test stops one of the shared two for good: after every other test that uses them
+        shared = "vllm_replicas" in getattr(item, "fixturenames", ())
+        return shared, item.get_closest_marker("drains_a_session_replica") is not None
+
+    items.sort(key=order)
 
 
 # -- buckets ------------------------------------------------------------------------------------------
@@ -169,6 +176,7 @@ def vllm_replicas(tmp_path_factory, model_dir):
         while True:
             infos = sorted(replicas.list_replicas(store), key=lambda r: r.replica_id)
             if len(infos) == 2:
+                SESSION_SIDECARS.update({f"test-replica-{i}": proc for i, (proc, _) in enumerate(procs)})
                 break
             for proc, log_path in procs:
                 if proc.poll() is not None:

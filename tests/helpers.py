@@ -31,6 +31,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Machines of this kind come with an AVX-512 CPU or an AVX2-only one about 4x slower for vLLM and the trainer
 # (issue 17); ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 make jobkit.cpu report the slow kind here too.
 SLOW = 4.0 if cpu_class() == "avx2" else 1.0
+# The session's replica sidecars by replica id (tests/conftest.py's vllm_replicas): the drain test stops one.
+SESSION_SIDECARS: dict[str, subprocess.Popen] = {}
 
 
 def host_timeout(seconds: float) -> float:

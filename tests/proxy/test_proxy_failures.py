@@ -33,7 +33,7 @@ from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 from proxy.serving.httpserver import HttpServer
 from rollout_worker.generation import Generator
-from tests.helpers import free_port, start_replica
+from tests.helpers import SESSION_SIDECARS, free_port, start_replica
 
 ANSWER = json.dumps({"choices": [{"text": "ok", "token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}]}).encode()
 
@@ -449,30 +449,42 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(vllm_replicas, model_dir, tmp_path):
+def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(
+    vllm_replicas, model_dir, tmp_path, monkeypatch
+):
     """Real replicas: the session's two, and one of this test's own that joins mid-run while a version (with
     its canary) is live: it must hold that version, and pass its probe, before it gets traffic. Rollout groups
     then flow through the proxy's real server and the rollout worker's Generator, and the third replica is
     SIGKILLed (vLLM and its sidecar) while it has requests in flight: every group must complete with all its
     samples, and the replica must be ejected within about a second of the kill (the bound by design is
-    probe_interval_s + probe_timeout_s = 1 s; on this shared 2-core machine the event loop's lag adds to it)."""
+    probe_interval_s + probe_timeout_s = 1 s; on this shared 2-core machine the event loop's lag adds to it).
+    It runs with an API key (which the proxy sends to every replica; the session's two have none): its vLLM
+    refuses /v1/* without it, and the key is on no command line and in no log."""
     from bucket import adapters, layout
     from bucket.canary import canary_meta
     from tests.proxy.test_proxy_vllm import _adapter_and_canary
+    from tests.replica.test_replica import process_cmdlines
 
     store, infos, manifest = vllm_replicas
+    key, logs = "replica-secret-5f2c", tmp_path / "logs"
+    monkeypatch.setenv("BRIGADE_REPLICA_API_KEY", key)  # for this test's replica and the proxy
     version = adapters.next_version(store)
     files, canary = _adapter_and_canary(model_dir, str(tmp_path / "adapter"), b_std=0.04, seed=3)
     adapters.publish(store, version, files, meta=canary_meta(canary))
     started: dict[str, Any] = {}
 
     def start() -> None:
-        started["proc"] = start_replica(
-            store.url, model_dir, free_port(), "test-replica-doomed", "0", str(tmp_path / "logs")
-        )
+        started["port"] = free_port()
+        started["proc"] = start_replica(store.url, model_dir, started["port"], "test-replica-doomed", "0", str(logs))
+
+    def up() -> None:  # registered and serving: its vLLM wants the key, which is on no command line
+        models = f"http://127.0.0.1:{started['port']}/v1/models"
+        assert httpx.get(models, timeout=30).status_code == 401
+        assert httpx.get(models, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
+        assert not any(key in c for c in process_cmdlines().values())
 
     try:
-        result = asyncio.run(_join_then_kill(store, manifest, version, start, started))
+        result = asyncio.run(_join_then_kill(store, manifest, version, start, up, started))
     finally:
         proc = started.get("proc", (None,))[0]
         if proc is not None:
@@ -484,6 +496,7 @@ def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(vllm_r
         except OSError:
             pass
     groups, ejected_after_s, retries = result
+    assert not any(key in f.read_text(errors="replace") for f in logs.iterdir())
     assert len(groups) == 6 and all(len(g) == 8 for g in groups)
     assert ejected_after_s <= 2.0, ejected_after_s
     print("ejected", round(ejected_after_s, 3), "s after the kill; retries", retries)
@@ -499,7 +512,7 @@ def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(vllm_r
     assert joined[0]["late_join"]
 
 
-async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any, started: dict) -> tuple:
+async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any, up: Any, started: dict) -> tuple:
     doomed = "test-replica-doomed"
     name = manifest.lora_name(version)
     proxy = Proxy(ProxyConfig(refresh_s=0.5, load_retry_s=30), store, manifest)
@@ -516,6 +529,7 @@ async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any,
             assert proc.poll() is None, open(log_path).read()[-3000:]
             assert time.monotonic() < deadline, "the extra replica never joined"
             await asyncio.sleep(0.2)
+        up()
         gen = Generator(client, manifest.base_model, SamplingParams(temperature=1.0), max_completion_length=48)
         prompts = [[1, 9690, 198] + list(range(2000 + 97 * g, 2060 + 97 * g)) for g in range(6)]
         tasks = [asyncio.create_task(gen.completions(name, p, 8)) for p in prompts]
@@ -533,50 +547,29 @@ async def _join_then_kill(store: Store, manifest: Any, version: int, start: Any,
         return groups, ejected_after, dict(proxy.forwarder.retries)
 
 
-def test_a_draining_replica_finishes_its_groups_then_leaves(vllm_replicas, model_dir, tmp_path, monkeypatch):
-    """Real replicas: the session's two, and one of this test's own whose sidecar gets SIGTERM while rollout
-    groups (n = 1 siblings, through the proxy's real server and the rollout worker's Generator) are in flight on
-    it. It drains: the proxy sends it no new group but the rest of its own, so every group completes whole on
-    one replica, none retried anywhere; the drain ends on the proxy's word (vLLM reads idle between two siblings,
-    which failed 4 runs of 5 when the drain trusted it); then it deregisters, and neither its registry entry nor
-    any process of its vLLM is left. It runs with an API key (which the proxy sends to every replica; the
-    session's two have none): its vLLM refuses /v1/* without it, and the key is on no command line and in no
-    log."""
+@pytest.mark.drains_a_session_replica  # last of all: the session's test-replica-1 leaves for good
+def test_a_draining_replica_finishes_its_groups_then_leaves(vllm_replicas):
+    """Real replicas: the session's two (this test runs last of all, tests/conftest.py), of which test-replica-1's
+    sidecar gets SIGTERM while rollout groups (n = 1 siblings, through the proxy's real server and the rollout
+    worker's Generator) are in flight on it. It drains: the proxy sends it no new group but the rest of its own,
+    so every group completes whole on one replica, none retried anywhere; the drain ends on the proxy's word
+    (vLLM reads idle between two siblings, which failed 4 runs of 5 when the drain trusted it); then it
+    deregisters, and neither its registry entry nor any process of its vLLM is left."""
     from bucket import replicas
     from tests.replica.test_replica import _group_members, live_pids, process_cmdlines
 
-    store, _infos, manifest = vllm_replicas
-    key = "replica-secret-5f2c"
-    monkeypatch.setenv("BRIGADE_REPLICA_API_KEY", key)
-    port, logs, drained = free_port(), tmp_path / "logs", "test-replica-drained"
-    proc, log_path = start_replica(store.url, model_dir, port, drained, "1", str(logs), "--replica.drain-s", "1")
-    try:
-        deadline = time.monotonic() + 420
-        while drained not in {r.replica_id for r in replicas.list_replicas(store)}:
-            assert proc.poll() is None, open(log_path).read()[-3000:]
-            assert time.monotonic() < deadline, "the replica did not register"
-            time.sleep(1)
-        url = f"http://127.0.0.1:{port}/v1/models"
-        assert httpx.get(url, timeout=30).status_code == 401
-        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code == 200
-        assert not any(key in c for c in process_cmdlines().values())
-        vllm_pids = {pid for pid, c in process_cmdlines().items() if f"--port {port}" in c}
-        group = set().union(*(_group_members(pid) for pid in vllm_pids))
-        assert vllm_pids and len(group) >= 3  # API server, engine core, worker
-        result = asyncio.run(_drain_mid_traffic(store, manifest, proc, drained))
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc.pid)
-            proc.wait(30)
-        try:
-            os.unlink(os.path.join(store.local_path("replicas"), f"{drained}.json"))
-        except OSError:
-            pass
+    store, infos, manifest = vllm_replicas
+    drained = "test-replica-1"
+    proc = SESSION_SIDECARS[drained]
+    port = next(i.url for i in infos if i.replica_id == drained).rsplit(":", 1)[1]
+    vllm_pids = {pid for pid, c in process_cmdlines().items() if f"--port {port}" in c}
+    group = set().union(*(_group_members(pid) for pid in vllm_pids))
+    assert vllm_pids and len(group) >= 3  # API server, engine core, worker
+    result = asyncio.run(_drain_mid_traffic(store, manifest, proc, drained))
+    assert proc.wait(60) == 0
     print("drain:", {k: v for k, v in result.items() if k != "groups"})
     assert drained not in {r.replica_id for r in replicas.list_replicas(store)}
     assert live_pids(group) == set()
-    assert not any(key in f.read_text(errors="replace") for f in logs.iterdir())
     groups, late = result["groups"][:6], result["groups"][6:]
     assert all(len(g) == 8 for g in result["groups"])  # every sample of every group
     assert all(len({s.replica for s in g}) == 1 for g in groups if any(s.replica == drained for s in g))
