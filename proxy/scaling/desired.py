@@ -17,7 +17,8 @@ returns the count the run should have, with the reason. The rule, in the order i
 Hysteresis: a move needs its signal at every look for `window_s` (a signal flickering around a threshold
 never moves the count), the up and down thresholds are apart (a wait between them holds), and after a
 move the count stays put for `cooldown_s` and the looks start over (what was seen before the move
-described the old count). Every count is clamped to [`min_replicas`, `max_replicas`].
+described the old count), as they do whenever the serving count changes (a replica joined or left).
+Every count is clamped to [`min_replicas`, `max_replicas`].
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ class DesiredReplicas:
         return "" if c == n else f" (asking for {c}: min_replicas {p.min_replicas}, max_replicas {p.max_replicas})"
 
     def _remember(self, s: Signals, now: float) -> None:
+        if self.looks and self.looks[-1][1].replicas != s.replicas:
+            # The serving count changed: what was seen before described another count. Without this the
+            # trainer's wait, which trails the change by its own horizon, doubled a count that had just
+            # grown (benchmarks.autoscale: 1 -> 2, then 2 -> 4 13 s after the second replica served).
+            self.looks.clear()
+            self.since = None
         if self.since is None:
             self.since = now
         self.looks.append((now, s))

@@ -57,6 +57,23 @@ def test_a_trainer_waiting_for_rollouts_while_generations_run_asks_for_more_repl
     assert feed(rule, look(3, wait=0.95), 1.0, WINDOW)[-1] == 6
 
 
+def test_a_replica_that_starts_serving_restarts_the_window():
+    """Asked 1 -> 2 (short cool-down); the trainer's wait trails the new replica by its own horizon, so the looks
+    before and just after it came up describe one replica: the next move needs a whole window at two."""
+    policy = Policy(min_replicas=1, max_replicas=8, window_s=WINDOW, cooldown_s=10.0)
+    rule = started(1, policy)
+    assert feed(rule, look(1, wait=0.5), 1.0, WINDOW)[-1] == 2
+    t = 1.0 + WINDOW
+    assert set(feed(rule, look(1, wait=0.5), t + 5, 30)) == {2}  # the second one is starting
+    t += 40
+    # serving from t on: the wait is still high for a while (its horizon), then the new count meets the demand
+    counts = feed(rule, lambda i: look(2, wait=0.5 if i < 6 else 0.1), t, WINDOW + 10)
+    assert set(counts) == {2}, counts  # never doubled on the old count's wait
+    # and a wait that stays high at two replicas for a whole window still moves it
+    counts = feed(rule, look(2, wait=0.5), t + WINDOW + 15, WINDOW)
+    assert counts[-1] == 4, counts
+
+
 def test_a_trainer_waiting_with_nothing_in_flight_waits_on_something_replicas_cannot_fix():
     rule = started(2)
     assert set(feed(rule, look(2, wait=0.9, inflight=0), 1.0, 3 * WINDOW)) == {2}
