@@ -310,9 +310,10 @@ class Proxy:
 
     def _load(self) -> Load:
         """What the autoscaler takes from the proxy itself at each look."""
-        inflight = sum(self.router.inflight_all().values())
+        per_replica = self.router.inflight_all()
         serving = len(self.routable) - len(self.membership.draining)  # a draining replica is on its way out
-        return Load(serving, len(self.membership.joining), inflight, self.forwarder.waiting)
+        busy = sum(1 for n in per_replica.values() if n > 0)
+        return Load(serving, len(self.membership.joining), sum(per_replica.values()), self.forwarder.waiting, busy)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

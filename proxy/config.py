@@ -152,11 +152,13 @@ class ProxyConfig(BaseModel):
         description="One replica fewer only while the rollout groups written and not yet read by the trainer are at "
         "least this many optimizer steps' worth (generation is ahead; the workers' max_unconsumed_groups holds them).",
     )
-    scale_down_inflight: float = Field(
-        1.0,
-        ge=0,
-        description="One replica fewer only while the replicas are idle: on average at most this many requests in "
-        "flight per replica over scale_window_s, and none waiting in the proxy for a slot.",
+    scale_down_busy: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="One replica fewer only while one fewer would be busy at most this share of the time: the "
+        "replicas with requests in flight averaged at most this times (replicas - 1) over scale_window_s, and "
+        "none waited in the proxy for a slot.",
     )
     canary_positions: int = Field(
         16,

@@ -35,6 +35,7 @@ class Load:
     joining: int  # replicas loading the live adapters before their first request
     inflight: int  # requests running on the replicas
     queued: int  # requests waiting in the proxy for a slot
+    busy: int = 0  # replicas with at least one request in flight
 
 
 def policy(config: ProxyConfig) -> Policy:
@@ -46,7 +47,7 @@ def policy(config: ProxyConfig) -> Policy:
         up_wait=config.scale_up_wait,
         down_wait=config.scale_down_wait,
         down_backlog_steps=config.scale_down_backlog_steps,
-        down_inflight=config.scale_down_inflight,
+        down_busy=config.scale_down_busy,
     )
 
 
@@ -98,6 +99,7 @@ class Autoscaler:
             backlog_steps=self.signals.backlog_steps(),
             inflight=load.inflight,
             queued=load.queued,
+            busy=load.busy,
         )
         decision = self.rule.observe(signals, time.monotonic())
         self.desired = self.rule.desired

@@ -10,7 +10,11 @@ returns the count the run should have, with the reason. The rule, in the order i
   generation rate, so N replicas become N / (1 - w), rounded up: at least one more, at most double.
 * **Fewer**, one at a time, when for a whole window the trainer waited at most `down_wait`, the rollout
   groups written and not yet trained were at least `down_backlog_steps` optimizer steps' worth, nothing
-  waited in the proxy for a slot and the replicas averaged at most `down_inflight` requests in flight each.
+  waited in the proxy for a slot and the replicas with work in flight averaged at most `down_busy` of one
+  fewer replica (N - 1 would be busy at most that share of the time). Busy replicas, not requests: a group
+  sent as n = 1 requests is num_generations of them, and a worker refilling its groups in bursts keeps
+  many in flight on replicas idle most of the time (benchmarks.autoscale: with a request count, 4 replicas
+  never came down where 1 was enough).
 * Otherwise **hold**. The count is sticky: a replica that crashed is still wanted, so the count does not
   follow the serving count down; before its first move it is what was started (the most replicas seen).
 
@@ -39,7 +43,7 @@ class Policy:
     up_wait: float = 0.2
     down_wait: float = 0.05
     down_backlog_steps: float = 1.0
-    down_inflight: float = 1.0
+    down_busy: float = 0.7
 
     def clamp(self, n: int) -> int:
         n = max(self.min_replicas, n)
@@ -55,6 +59,7 @@ class Signals:
     backlog_steps: float | None  # groups written and not yet read by the trainer, in optimizer steps' worth
     inflight: int  # requests through the proxy running on the replicas
     queued: int  # requests waiting in the proxy for a slot
+    busy: int = 0  # replicas with at least one of those requests in flight
 
     def fields(self) -> dict[str, float | int | None]:
         """For the event: rounded, so a reader sees what the rule saw without float noise."""
@@ -64,6 +69,7 @@ class Signals:
             "backlog_steps": None if self.backlog_steps is None else round(self.backlog_steps, 3),
             "inflight": self.inflight,
             "queued": self.queued,
+            "busy": self.busy,
         }
 
 
@@ -141,17 +147,17 @@ class DesiredReplicas:
                 f"with generations in flight: {current} -> {p.clamp(max(current + 1, grown))}"
             )
         backlogs = [s.backlog_steps for s in looks]
-        per_replica = sum(s.inflight / max(1, s.replicas) for s in looks) / len(looks)
+        busy = sum(s.busy for s in looks) / len(looks)  # replicas with work, on average
+        fewer = min(current, last.replicas) - 1
         if (
             all(w is not None and w <= p.down_wait for w in waits)
             and all(b is not None and b >= p.down_backlog_steps for b in backlogs)
             and not any(s.queued for s in looks)
-            and per_replica <= p.down_inflight
+            and busy <= p.down_busy * fewer
         ):
-            fewer = min(current, last.replicas) - 1
             return fewer, (
                 f"for {p.window_s:.0f} s the trainer waited at most {max(w or 0 for w in waits):.0%} of its time, "
-                f"had at least {min(b or 0 for b in backlogs):.1f} steps of rollouts unread, and the replicas "
-                f"averaged {per_replica:.1f} requests in flight each: {current} -> {p.clamp(fewer)}"
+                f"had at least {min(b or 0 for b in backlogs):.1f} steps of rollouts unread, and {busy:.1f} "
+                f"replicas had work on average, {busy / max(1, fewer):.0%} of {fewer}: {current} -> {p.clamp(fewer)}"
             )
         return current, self.reason

@@ -22,8 +22,11 @@ WINDOW, COOLDOWN = 60.0, 180.0
 POLICY = Policy(min_replicas=1, max_replicas=8, window_s=WINDOW, cooldown_s=COOLDOWN)
 
 
-def look(replicas=2, wait=0.0, backlog=0.0, inflight=4, queued=0) -> Signals:
-    return Signals(replicas=replicas, trainer_wait=wait, backlog_steps=backlog, inflight=inflight, queued=queued)
+def look(replicas=2, wait=0.0, backlog=0.0, inflight=4, queued=0, busy=None) -> Signals:
+    busy = min(replicas, inflight) if busy is None else busy  # by default the requests spread over the replicas
+    return Signals(
+        replicas=replicas, trainer_wait=wait, backlog_steps=backlog, inflight=inflight, queued=queued, busy=busy
+    )
 
 
 def feed(rule: DesiredReplicas, signals, start: float, seconds: float, every: float = 5.0) -> list[int]:
@@ -55,6 +58,16 @@ def test_a_trainer_waiting_for_rollouts_while_generations_run_asks_for_more_repl
     # waiting nearly all the time: at most double
     rule = started(3)
     assert feed(rule, look(3, wait=0.95), 1.0, WINDOW)[-1] == 6
+
+
+def test_fewer_replicas_when_one_fewer_would_still_not_be_busy_however_many_requests_are_in_flight():
+    """Groups sent as n = 1 requests: 16 requests in flight, on one replica of four at a time, are one replica's
+    work; requests counted, it never looked idle. One fewer is asked for while N - 1 would be busy at most 70 %."""
+    rule = started(4)
+    counts = feed(rule, look(4, backlog=2.0, inflight=16, busy=1), 1.0, WINDOW)
+    assert counts[-1] == 3 and "1.0 replicas had work on average, 33% of 3" in rule.reason, rule.reason
+    rule = started(2)  # two replicas both busy most of the time: one could not carry it
+    assert set(feed(rule, lambda i: look(2, backlog=2.0, busy=2 if i % 4 else 1), 1.0, 3 * WINDOW)) == {2}
 
 
 def test_a_replica_that_starts_serving_restarts_the_window():
