@@ -153,7 +153,7 @@ class ProxyConfig(BaseModel):
         "least this many optimizer steps' worth (generation is ahead; the workers' max_unconsumed_groups holds them).",
     )
     scale_down_busy: float = Field(
-        0.7,
+        0.6,
         gt=0,
         le=1,
         description="One replica fewer only while one fewer would be busy at most this share of the time: the "

@@ -10,11 +10,12 @@ returns the count the run should have, with the reason. The rule, in the order i
   generation rate, so N replicas become N / (1 - w), rounded up: at least one more, at most double.
 * **Fewer**, one at a time, when for a whole window the trainer waited at most `down_wait`, the rollout
   groups written and not yet trained were at least `down_backlog_steps` optimizer steps' worth, nothing
-  waited in the proxy for a slot and the replicas with work in flight averaged at most `down_busy` of one
-  fewer replica (N - 1 would be busy at most that share of the time). Busy replicas, not requests: a group
-  sent as n = 1 requests is num_generations of them, and a worker refilling its groups in bursts keeps
-  many in flight on replicas idle most of the time (benchmarks.autoscale: with a request count, 4 replicas
-  never came down where 1 was enough).
+  waited in the proxy for a slot and the replicas with work in flight averaged at most `down_busy` (0.6)
+  of one fewer replica: N - 1 would be busy at most that share of the time, which leaves room for the
+  trainer's bursts, and a count that does not go down to exactly what a slow phase needs comes back up in
+  one move, not two. Busy replicas, not requests: a group sent as n = 1 requests is num_generations of
+  them, and a worker refilling its groups in bursts keeps many in flight on replicas idle most of the
+  time (benchmarks.autoscale: with a request count, 4 replicas never came down where 1 was enough).
 * Otherwise **hold**. The count is sticky: a replica that crashed is still wanted, so the count does not
   follow the serving count down; before its first move it is what was started (the most replicas seen).
 
@@ -43,7 +44,7 @@ class Policy:
     up_wait: float = 0.2
     down_wait: float = 0.05
     down_backlog_steps: float = 1.0
-    down_busy: float = 0.7
+    down_busy: float = 0.6
 
     def clamp(self, n: int) -> int:
         n = max(self.min_replicas, n)

@@ -62,7 +62,7 @@ def test_a_trainer_waiting_for_rollouts_while_generations_run_asks_for_more_repl
 
 def test_fewer_replicas_when_one_fewer_would_still_not_be_busy_however_many_requests_are_in_flight():
     """Groups sent as n = 1 requests: 16 requests in flight, on one replica of four at a time, are one replica's
-    work; requests counted, it never looked idle. One fewer is asked for while N - 1 would be busy at most 70 %."""
+    work; requests counted, it never looked idle. One fewer is asked for while N - 1 would be busy at most 60 %."""
     rule = started(4)
     counts = feed(rule, look(4, backlog=2.0, inflight=16, busy=1), 1.0, WINDOW)
     assert counts[-1] == 3 and "1.0 replicas had work on average, 33% of 3" in rule.reason, rule.reason
