@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     and those stay up until the session ends (the drain test, last of all, stops one of them: starting a third
     replica for it cost a minute). The sort is stable: the other tests keep the order of the tree.
     """
+
     def order(item: pytest.Item) -> tuple[bool, bool]:
         # the drain test stops one of the shared two for good: after every other test that uses them
         shared = "vllm_replicas" in getattr(item, "fixturenames", ())
