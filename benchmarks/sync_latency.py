@@ -136,7 +136,8 @@ def run_one(kind: str, versions: int, overrides: dict[str, Any]) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
-    p.add_argument("--versions", type=int, default=20, help="adapter versions to publish per bucket (>= 2)")
+    p.add_argument("--versions", type=int, help="adapter versions to publish per bucket (>= 2; default 20, "
+                   "--saturate 6)")  # fmt: skip
     p.add_argument("--buckets", default=",".join(BUCKETS), help="which buckets to measure: local, s3 or both")
     p.add_argument("--max-completion-length", type=int, default=8, help="tokens per completion (shorter: faster)")
     p.add_argument("--saturate", action="store_true", help="idle vs saturated replicas (benchmarks/sync_saturated.py)")
@@ -147,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--simulated-replicas", default="", help="e.g. 2,16,64: the real proxy in front of that many "
                    "simulated vLLM servers, saturated (benchmarks/sync_simulated.py)")  # fmt: skip
     p.add_argument("--step-s", type=float, default=0.01, help="--simulated-replicas: seconds per generated token")
+    p.add_argument("--pin-proxy", action="store_true", help="--simulated-replicas: the proxy on a core of its own, "
+                   "the simulated replicas and the load on the others")  # fmt: skip
     args = p.parse_args(argv)
     if args.simulated_replicas:
-        from benchmarks.sync_simulated import run_simulated
+        from benchmarks.sync_simulated_run import run_simulated
 
         try:
             counts = sorted({int(c) for c in args.simulated_replicas.split(",") if c.strip()})
@@ -157,16 +160,18 @@ def main(argv: list[str] | None = None) -> int:
             counts = []
         if not counts or counts[0] < 1:
             p.error(f"--simulated-replicas takes replica counts like 2,16,64, not {args.simulated_replicas!r}")
-        versions = 6 if args.versions == 20 else args.versions
+        # 20 per count: with 6 the p95 was the slowest version's, one pause of either process deciding it
+        versions = args.versions or 20
         seqs, tokens = args.max_num_seqs or 8, args.completion_tokens or 64
-        out = with_cpu({"benchmark": "sync_latency", **run_simulated(counts, versions, seqs, tokens, args.step_s)})
+        result = run_simulated(counts, versions, seqs, tokens, args.step_s, args.pin_proxy)
+        out = with_cpu({"benchmark": "sync_latency", **result})
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         by = out["by_replicas"].values()
         return 0 if all("error" not in r and r["false_ejections"] == 0 for r in by) else 1
     if args.saturate:
         from benchmarks.sync_saturated import run_saturated
 
-        versions = 6 if args.versions == 20 else args.versions  # each saturated version costs ~10 s here
+        versions = args.versions or 6  # each saturated version costs ~10 s here
         out = with_cpu(
             {
                 "benchmark": "sync_latency",
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out) if args.json else json.dumps(out, indent=1))
         return 0 if out["false_ejections"] == 0 else 1
     kinds = [k.strip() for k in args.buckets.split(",") if k.strip()]
+    args.versions = args.versions or 20
     if args.versions < 2:
         p.error("--versions must be at least 2 (the initial version plus one trained one)")
     if not kinds or set(kinds) - set(BUCKETS):

@@ -1,6 +1,6 @@
 """Adapter sync with many replicas: the real proxy in front of N simulated vLLM servers, saturated.
 
-    python -m benchmarks.sync_latency --simulated-replicas 2,16,64 --json [--versions 6] [--max-num-seqs 8]
+    python -m benchmarks.sync_latency --simulated-replicas 2,16,64 --json [--versions 20] [--max-num-seqs 8]
 
 What grows with the replica count is the proxy's part of a sync, not vLLM's, so N replicas are simulated in
 this process (one asyncio loop, a loopback port each, registered and heartbeating like a `brigade replica`):
@@ -13,7 +13,8 @@ newest live version. Per count: p50_s/p95_s (committed -> loaded on every replic
 adapter_loaded_all event records it; event_written_p95_s: to that event's write), where it goes (detect, fanout
 with its slowest replica's load and probe, events written after the fan-out, live = seen in /live_adapters),
 the proxy's CPU per version (/proc/<pid>/stat; `sync`: less the forwarding's CPU per request measured just
-before), false ejections, request rate, and this process's loop lag (a lagging bench would answer late).
+before), false ejections, request rate, and this process's loop lag (a lagging bench would answer late). The
+measurement itself, and who else had the cores meanwhile, is benchmarks/sync_simulated_run.py.
 """
 
 from __future__ import annotations
@@ -29,17 +30,14 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import httptools
 import httpx
 import orjson
-import uvloop
 
 from benchmarks.proxy_overhead import free_port
-from benchmarks.sync_latency import percentile
 from bucket import adapters, appendlog, events, layout, replicas
 from bucket.canary import Canary, canary_meta, read_canary
 from bucket.manifest import RunSpec, init_or_check
@@ -89,13 +87,31 @@ class SimReplica:
         try:
             await asyncio.sleep(seconds)
         finally:
-            while self.waiting:
-                _, _, nxt = heapq.heappop(self.waiting)
-                if not nxt.done():
-                    nxt.set_result(None)
-                    break
-            else:
-                self.free += 1
+            self._release()
+
+    async def run_sequences(self, n: int, priority: int, seconds: float) -> None:
+        """One request's `n` prompts, each a sequence of `seconds`. When all n get a slot at once (a generation
+        with a free slot; a probe in the control slots) they start and end together: one timer for them all,
+        rather than a task per prompt, so the simulated replicas' own CPU (they share the proxy's cores) does
+        not grow with the probe's prompts. Otherwise each waits for its own slot, as `run_sequence` says."""
+        if n > self.free or self.waiting:
+            await asyncio.gather(*(self.run_sequence(priority, seconds) for _ in range(n)))
+            return
+        self.free -= n
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            for _ in range(n):
+                self._release()
+
+    def _release(self) -> None:
+        """A sequence ended: its slot goes to the first waiting one by (priority, arrival), else it is free."""
+        while self.waiting:
+            _, _, nxt = heapq.heappop(self.waiting)
+            if not nxt.done():
+                nxt.set_result(None)
+                return
+        self.free += 1
 
     async def handle(self, path: bytes, body: bytes) -> tuple[int, bytes]:
         if path == b"/health":
@@ -133,7 +149,7 @@ class SimReplica:
             return _error(404, f"The model `{model}` does not exist.")
         prompts = prompts if prompts and isinstance(prompts[0], list) else [prompts]
         # Each prompt is a sequence of its own; the probe's (max_tokens 1) take one step each.
-        await asyncio.gather(*(self.run_sequence(int(req.get("priority", 0)), tokens * self.step_s) for _ in prompts))
+        await self.run_sequences(len(prompts), int(req.get("priority", 0)), tokens * self.step_s)
         canary, choices = _canaries.get(self.loras.get(model, "")), []
         for i, p in enumerate(prompts):
             logprobs = None
@@ -183,13 +199,6 @@ class _ServerConn(asyncio.Protocol):
             self.transport.write(_HEAD % (status, len(out)) + out)
 
 
-def proxy_cpu_s(pid: int) -> float:
-    """utime + stime of one process (the proxy is one process: no children to add)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # Called in the proxy's child: SIGKILL when the benchmark dies, however (a timeout, a kill). Looked up here, as
 # the child of a fork only calls it. 1 = PR_SET_PDEATHSIG.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -206,8 +215,11 @@ async def _field(client: httpx.AsyncClient, path: str, key: str) -> str:
 class Bench:
     """One replica count: a fresh bucket, N simulated replicas, the real proxy, the load generator."""
 
-    def __init__(self, tmp: str, n: int, max_num_seqs: int, tokens: int, step_s: float) -> None:
+    def __init__(
+        self, tmp: str, n: int, max_num_seqs: int, tokens: int, step_s: float, proxy_cpus: set[int] | None = None
+    ) -> None:
         self.tmp, self.n, self.max_num_seqs, self.tokens, self.step_s = tmp, n, max_num_seqs, tokens, step_s
+        self.proxy_cpus = proxy_cpus  # the proxy's own cores (this process keeps off them), or None: anywhere
         self.store = Store(os.path.join(tmp, "bucket"))
         self.store.check_reachable(create=True)
         self.manifest = init_or_check(self.store, RunSpec(), "bench")
@@ -236,13 +248,19 @@ class Bench:
         env = {k: v for k, v in os.environ.items() if k != "BRIGADE_REPLICA_API_KEY"}  # the replicas ask none
         log = open(os.path.join(self.tmp, "proxy.log"), "ab")
         self.proc = subprocess.Popen(argv + ["--proxy.refresh-s", "0.5"], stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, preexec_fn=lambda: _prctl(1, signal.SIGKILL))  # fmt: skip
+                                     env=env, preexec_fn=self._in_proxy)  # fmt: skip
         deadline = time.monotonic() + 120
         async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
             while f"{self.n} replicas receive traffic" not in await _field(client, "/health", "reason"):
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError(f"the proxy did not admit {self.n} replicas; see {self.tmp}/proxy.log")
                 await asyncio.sleep(0.3)
+
+    def _in_proxy(self) -> None:
+        """Run in the proxy's child before it starts: die with this process, and keep to the proxy's cores."""
+        _prctl(1, signal.SIGKILL)
+        if self.proxy_cpus:
+            os.sched_setaffinity(0, self.proxy_cpus)
 
     async def _heartbeat(self, infos: list[ReplicaInfo]) -> None:
         while True:
@@ -305,98 +323,3 @@ class Bench:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-async def _loop_lag(lags: list[float]) -> None:
-    """How late this process's loop wakes up: if it is late, the simulated replicas answer late too."""
-    while True:
-        t0 = time.monotonic()
-        await asyncio.sleep(0.02)
-        lags.append(time.monotonic() - t0 - 0.02)
-
-
-async def measure(bench: Bench, versions: int) -> dict[str, Any]:
-    servers: list[Any] = []  # the simulated replicas' listening sockets and their heartbeat
-    clients: list[asyncio.Task] = []
-    try:
-        await bench.start(servers)
-        lags: list[float] = []
-        clients += [asyncio.create_task(c) for c in [bench.watch_live(), _loop_lag(lags)]]
-        # every sequence running and as many waiting in the proxy
-        clients += [asyncio.create_task(bench.generate(k)) for k in range(2 * bench.max_num_seqs * bench.n)]
-        await bench.publish_and_wait(seed=10_000)  # a first version, unmeasured: the load moves onto it
-        await asyncio.sleep(3)
-        pid = bench.proc.pid  # type: ignore[union-attr]
-        cpu0, ok0 = proxy_cpu_s(pid), bench.counts["ok"]
-        await asyncio.sleep(4)  # the proxy's CPU per forwarded request, without syncs
-        per_request = (proxy_cpu_s(pid) - cpu0) / max(1, bench.counts["ok"] - ok0)
-        lags.clear()
-        cpu0, t0, ok0 = proxy_cpu_s(pid), time.monotonic(), bench.counts["ok"]
-        done = []
-        for i in range(versions):
-            done.append(await bench.publish_and_wait(seed=i))
-            await asyncio.sleep(GAP_S)
-        wall, cpu = time.monotonic() - t0, proxy_cpu_s(pid) - cpu0
-        ok, end, errors = bench.counts["ok"] - ok0, time.time(), bench.counts["errors"]
-    finally:
-        # The clients, the proxy (off this loop: the replicas answer it as it drains), then the replicas.
-        for task in clients:
-            task.cancel()
-        await asyncio.gather(*clients, return_exceptions=True)
-        await asyncio.to_thread(bench.stop)
-        for item in servers:
-            item.cancel() if isinstance(item, asyncio.Task) else item.close()
-    evs = events.read_all(bench.store)
-    loads: dict[int, list[dict[str, Any]]] = {int(d["loaded_all"]["version"]): [] for d in done}
-    for e in evs:
-        if e["kind"] == events.LOADED and e.get("version") in loads and "load_s" in e:
-            loads[e["version"]].append(e)
-    alls = [d["loaded_all"] for d in done]
-    synced = [a["started_at"] + a["seconds"] - d["committed"] for a, d in zip(alls, done)]
-    p95 = lambda xs: round(percentile(xs, 95), 4) if xs else None  # noqa: E731
-    return {
-        "versions": len(done),
-        # loaded on every replica: when the fan-out finished (its probes passed; /live_adapters names it then),
-        # on the proxy's clock; the events that say so land `events_p95_s` later (event_written_p95_s)
-        "p50_s": round(percentile(synced, 50), 4),
-        "p95_s": p95(synced),
-        "event_written_p95_s": p95([a["ts"] - d["committed"] for a, d in zip(alls, done)]),
-        "live_p95_s": p95([d["live"] - d["committed"] for d in done]),
-        "detect_p95_s": p95([a["started_at"] - d["committed"] for a, d in zip(alls, done)]),
-        "fanout_p95_s": p95([a["seconds"] for a in alls]),
-        "replica_load_p95_s": p95([max(e["load_s"] for e in es) for es in loads.values() if es]),
-        "replica_probe_p95_s": p95([max(e["seconds"] - e["load_s"] for e in es) for es in loads.values() if es]),
-        "events_p95_s": p95([a["ts"] - a["started_at"] - a["seconds"] for a in alls]),
-        "proxy_cpu_s_per_version": round(cpu / len(done), 3),
-        "proxy_cpu_sync_s_per_version": round((cpu - per_request * ok) / len(done), 3),
-        "proxy_cpu_util": round(cpu / wall, 3),
-        "proxy_cpu_ms_per_request_without_syncs": round(1000 * per_request, 3),
-        "false_ejections": sum(e["kind"] == events.REPLICA_EJECTED and e["ts"] <= end for e in evs),
-        "adapter_load_failures": sum(e["kind"] == events.LOAD_FAILED and e["ts"] <= end for e in evs),
-        "load_errors": errors,
-        "generated_requests_per_s": round(ok / wall, 1),
-        "saturated_requests_per_s": round(bench.n * bench.max_num_seqs / (bench.tokens * bench.step_s), 1),
-        "bench_loop_lag_p95_ms": round(1000 * percentile(lags, 95), 1) if lags else None,
-        "sim_bad_requests": sum(len(sim.bad_requests) for sim in bench.sims),
-    }
-
-
-def run_simulated(counts: list[int], versions: int, max_num_seqs: int, tokens: int, step_s: float) -> dict[str, Any]:
-    """Every replica count in turn, each with its own proxy and bucket; `p95_64_vs_2` the goal's ratio."""
-    tmp = tempfile.mkdtemp(prefix="brigade-sync-simulated-")
-    by_replicas: dict[str, Any] = {}
-    for n in counts:
-        folder = tempfile.mkdtemp(prefix=f"replicas-{n}-", dir=tmp)
-        try:  # the load and N replicas share this process's one loop: uvloop's costs less per request
-            by_replicas[str(n)] = uvloop.run(measure(Bench(folder, n, max_num_seqs, tokens, step_s), versions))
-        except Exception as exc:  # noqa: BLE001 - the other counts still run; the error says where to look
-            by_replicas[str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"sync_simulated {n}: {json.dumps(by_replicas[str(n)])}", flush=True)  # kept should a later one fail
-    first, last = by_replicas[str(counts[0])], by_replicas[str(counts[-1])]
-    ratio = last["p95_s"] / first["p95_s"] if first.get("p95_s") and last.get("p95_s") else None
-    return {
-        **{"mode": "simulated", "max_num_seqs": max_num_seqs, "control_seqs": CONTROL_SEQS},
-        **{"completion_tokens": tokens, "step_s": step_s, "by_replicas": by_replicas},
-        f"p95_{counts[-1]}_vs_{counts[0]}": round(ratio, 3) if ratio else None,
-        "logs": tmp,
-    }

@@ -1,4 +1,12 @@
-"""The proxy's calls to one replica: its HTTP client, and the adapter load and unload that fan-outs repeat."""
+"""The proxy's calls to one replica: /health, adapter loads and unloads, canary probes, admin calls.
+
+They go over raw keep-alive connections (wire.py, the generation path's own HTTP/1.1 protocol), not httpx:
+a sync on N replicas is N loads and N probes, and every replica's /health is asked 4 times a second. Measured
+on benchmarks/sync_simulated.py at 64 replicas (2 cores, py-spy): httpx carried them at ~0.5-1 ms of CPU each,
+31 % of the proxy's CPU (/health alone 14 %, the fan-out's loads and probes 10 %), where a raw exchange costs
+~0.1 ms. Answers come back as `httpx.Response`s and failures as httpx's exceptions, so callers read them as
+before.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 
 from bucket import replicas
 from bucket.replicas import ReplicaInfo
@@ -16,6 +25,7 @@ from bucket.store import Store
 from bucket.version import Version
 from proxy.config import ProxyConfig
 from proxy.lora_paths import ALREADY_LOADED, NOT_FOUND_ON_DISK, AdapterRef, error_message
+from proxy.replicas.wire import ReplicaPool, UpstreamError, fetch
 
 # Retry of "No adapter found": every 50 ms for the first second (a replica's
 # mirror copies a version 0.1-0.4 s after its commit, and vLLM answers a
@@ -25,6 +35,7 @@ RETRY_FIRST_S = 0.05
 RETRY_FLAT_S = 1.0
 RETRY_MAX_S = 2.0
 PROBE_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 10.0  # opening a connection, for calls without a timeout of their own
 MIRROR_POLL_S = 0.05  # while a load waits for a mirror: one small GET of that replica's registry entry
 
 
@@ -67,14 +78,25 @@ class HealthAnswer:
     seconds: float
 
 
-class Upstream:
-    """The proxy's HTTP clients to the replicas (opened by `open`), one per replica URL, sending the replicas'
-    bearer token on each call.
+def _as_httpx(exc: UpstreamError) -> httpx.HTTPError:
+    """A raw exchange's failure as the httpx exception its callers catch (a timeout stays a timeout)."""
+    message = str(exc)
+    if exc.timed_out:
+        return httpx.ConnectTimeout(message) if exc.connect else httpx.ReadTimeout(message)
+    return httpx.ConnectError(message) if exc.connect else httpx.ReadError(message)
 
-    One client per replica, not one for all: httpx's pool looks through every connection it holds for a free
-    one to the request's host on each request, so with one shared client every /health check, load and probe
-    cost grew with the number of replicas (0.59 ms of CPU per /health at 2 replicas, 3.04 ms at 64: about one
-    core for the health checks alone; benchmarks/sync_simulated.py)."""
+
+class Upstream:
+    """The proxy's connections to the replicas (opened by `open`) for its own calls, sending the replicas'
+    bearer token on each: raw keep-alive connections per replica URL (see the module's docstring), and an
+    httpx client per replica URL for the few requests passed through as they came (`client`; forwarding.py).
+
+    With a `transport` (tests' fake replicas in this process, which only httpx reaches), every call goes
+    through the httpx clients built on it instead; so does a replica URL that is not plain http://.
+
+    One httpx client per replica, not one for all: httpx's pool looks through every connection it holds for a
+    free one to the request's host on each request, so with one shared client each call's cost grew with the
+    number of replicas (0.59 ms of CPU per /health at 2 replicas, 3.04 ms at 64)."""
 
     def __init__(
         self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None, store: Store | None = None
@@ -83,8 +105,10 @@ class Upstream:
         self.store = store  # where mirrored replicas list what is on their disk (bucket/replicas.py)
         self.transport = transport  # tests put fake replicas here (httpx's own default when None)
         self._clients: dict[str, httpx.AsyncClient] | None = None
+        self._pools: dict[str, ReplicaPool] = {}  # the raw connections, by replica URL
         key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
+        self._auth_line = f"authorization: Bearer {key}\r\n".encode() if key else b""
 
     def client(self, url: str) -> httpx.AsyncClient:
         """The client for the replica at `url` (made on first use)."""
@@ -92,13 +116,13 @@ class Upstream:
             raise RuntimeError("the proxy is not started")
         client = self._clients.get(url)
         if client is None:
-            # Generations use their own pooled connections (serving/pool.py); this client carries the replica's
-            # health checks, adapter calls, probes and the few requests forwarded without routing.
+            # Generations use their own pooled connections (serving/pool.py) and the proxy's own calls raw ones
+            # (`call`); this client carries the few requests forwarded without routing.
             limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
             client = self._clients[url] = httpx.AsyncClient(
                 transport=self.transport,
                 limits=limits,
-                timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0),
+                timeout=httpx.Timeout(self.config.request_timeout_s, connect=CONNECT_TIMEOUT_S),
             )
         return client
 
@@ -106,21 +130,66 @@ class Upstream:
         self._clients = {}
 
     async def forget(self, url: str) -> None:
-        """Close the client of a replica that left (its kept-alive connections with it)."""
+        """Close the connections of a replica that left."""
+        pool = self._pools.pop(url, None)
+        if pool is not None:
+            pool.close()
         client = (self._clients or {}).pop(url, None)
         if client is not None:
             await client.aclose()
 
     async def close(self) -> None:
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.close()
         clients, self._clients = self._clients or {}, None
         await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+
+    async def call(
+        self, url: str, method: str, path: str, body: Any = None, query: str = "", timeout: float | None = None
+    ) -> httpx.Response:
+        """One call to the replica at `url` and its whole answer; raises httpx.HTTPError when there is none.
+
+        `body`: a JSON value, or bytes already JSON-encoded (the canary probe encodes its body once per version,
+        not once per replica); None sends none. `timeout` bounds connecting and the replica's silence (None:
+        request_timeout_s, and CONNECT_TIMEOUT_S to connect), as httpx's timeouts did."""
+        content = None if body is None else body if isinstance(body, bytes) else orjson.dumps(body)
+        target = path + (f"?{query}" if query else "")
+        if self.transport is not None or not url.startswith("http://"):
+            headers = {"content-type": "application/json", **self.auth} if content is not None else self.auth
+            return await self.client(url).request(
+                method,
+                f"{url}{target}",
+                content=content,
+                headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+        if self._clients is None:
+            raise RuntimeError("the proxy is not started")
+        pool = self._pools.get(url)
+        if pool is None:
+            pool = self._pools[url] = ReplicaPool(url, CONNECT_TIMEOUT_S)
+        extra = self._auth_line
+        if content is not None:
+            extra += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(content)
+        elif method != "GET":
+            extra += b"content-length: 0\r\n"
+        data = pool.request_head(target, extra + b"\r\n", method.encode()) + (content or b"")
+        silence = self.config.request_timeout_s if timeout is None else timeout
+        while True:
+            try:
+                status, headers, answer = await fetch(pool, data, silence, timeout)
+            except UpstreamError as exc:
+                if exc.reused and not exc.timed_out:
+                    continue  # a kept-alive connection the replica had closed (it never saw this): a fresh one
+                raise _as_httpx(exc) from None
+            return httpx.Response(status, headers=headers, content=answer)
 
     async def probe(
         self, info: ReplicaInfo, path: str, query: str = "", timeout: float = PROBE_TIMEOUT_S
     ) -> httpx.Response:
         """A GET with a short timeout: a replica too busy to answer it soon is treated as not answering."""
-        url = f"{info.url}{path}" + (f"?{query}" if query else "")
-        return await self.client(info.url).get(url, headers=self.auth, timeout=timeout)
+        return await self.call(info.url, "GET", path, query=query, timeout=timeout)
 
     async def healthy(self, info: ReplicaInfo, timeout: float = PROBE_TIMEOUT_S) -> bool:
         return (await self.health_problem(info, timeout)) is None
@@ -144,10 +213,8 @@ class Upstream:
     async def post(
         self, info: ReplicaInfo, path: str, body: Any = None, query: str = "", timeout: float | None = None
     ) -> httpx.Response:
-        url = f"{info.url}{path}" + (f"?{query}" if query else "")
-        return await self.client(info.url).post(
-            url, json=body, headers=self.auth, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
-        )
+        """A POST of `body` (a JSON value, or JSON-encoded bytes; see `call`)."""
+        return await self.call(info.url, "POST", path, body, query, timeout)
 
     async def load_on(self, info: ReplicaInfo, ad: AdapterRef, deadline: float) -> ReplicaResult:
         """Load on one replica; retry "No adapter found" (its mount or mirror lagging) until `deadline`."""

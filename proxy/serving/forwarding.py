@@ -28,8 +28,8 @@ from bucket.replicas import ReplicaInfo
 from proxy.errors import error_body, error_response
 from proxy.lora_paths import error_message
 from proxy.replicas.upstream import Upstream
+from proxy.replicas.wire import UpstreamError
 from proxy.serving.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
-from proxy.serving.pool import UpstreamError
 from proxy.serving.slots import PrioritySlots
 from proxy.state import ProxyState
 
@@ -49,7 +49,7 @@ class ClientSink(Protocol):
 
 
 class ReplicaAnswer(Protocol):
-    """A replica's answer to one generation, once its head arrived (pool.py's `Exchange` is one)."""
+    """A replica's answer to one generation, once its head arrived (replicas/wire.py's `Exchange` is one)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]  # to relay: lower-case names, hop-by-hop headers removed
@@ -60,7 +60,7 @@ class ReplicaAnswer(Protocol):
     def cancel(self, why: str) -> None: ...
 
 
-# Sends a generation's body to `path` on a replica; raises pool.UpstreamError when it fails before answering.
+# Sends a generation's body to `path` on a replica; raises wire.UpstreamError when it fails before answering.
 SendGeneration = Callable[[ReplicaInfo, str, bytes], Awaitable[ReplicaAnswer]]
 
 

@@ -22,8 +22,8 @@ from fastapi import FastAPI
 from bucket.replicas import ReplicaInfo
 from proxy.app import Proxy, create_app
 from proxy.replicas.upstream import Upstream
+from proxy.replicas.wire import HOP_HEADERS, UpstreamError
 from proxy.serving.forwarding import GENERATION_PATHS
-from proxy.serving.pool import HOP_HEADERS, UpstreamError
 
 
 def asgi_app(proxy: Proxy) -> FastAPI:
@@ -55,7 +55,7 @@ class HttpxGeneration:
 
 
 class HttpxExchange:
-    """An answer shaped like pool.py's `Exchange` (status, relayed headers, body pumped to the sink, `tail`)."""
+    """An answer shaped like wire.py's `Exchange` (status, relayed headers, body pumped to the sink, `tail`)."""
 
     def __init__(self, resp: httpx.Response) -> None:
         self.resp = resp

@@ -9,6 +9,7 @@ one serving the base about 0).
 
 from __future__ import annotations
 
+import json
 import random
 
 from bucket.version import Version
@@ -96,7 +97,8 @@ def test_near_base_off_and_the_reasons():
 def test_the_probe_asks_no_more_prompts_at_a_time_than_the_replica_keeps_for_control():
     """A replica runs control_seqs sequences beyond generation's: more prompts at once would wait for a running
     generation to end. The stand-in upstream answers like vLLM with the trainer's adapter logprobs (the answer's
-    content is test_proxy_vllm.py's subject; here only the request sizes are)."""
+    content is test_proxy_vllm.py's subject; here only the request sizes are, and that every replica is sent the
+    bodies encoded once for the version)."""
     import asyncio
 
     import httpx
@@ -115,9 +117,12 @@ def test_the_probe_asks_no_more_prompts_at_a_time_than_the_replica_keeps_for_con
         base_logprobs=base,
     )
     sizes: list[int] = []
+    sent: list[bytes] = []
 
     class Upstream:
         async def post(self, info, path, body, timeout):  # noqa: ANN001 - the stand-in's own signature
+            sent.append(body)
+            body = json.loads(body)  # encoded once per version and batch, not once per replica
             sizes.append(len(body["prompt"]))
             assert body["priority"] < 0, "the probe goes ahead of generation"
             choices = []
@@ -148,5 +153,8 @@ def test_the_probe_asks_no_more_prompts_at_a_time_than_the_replica_keeps_for_con
     ref = AdapterRef("run-v000004", Version(4), canary)
     verdict = asyncio.run(probe.probe(info(5), ref))
     assert verdict.result == "pass" and sizes == [5, 5, 5, 1]
+    first, sent[:] = list(sent), []
+    assert asyncio.run(probe.probe(info(5), ref)).result == "pass"
+    assert all(a is b for a, b in zip(sent, first, strict=True))  # the next replica: the same bytes, not re-encoded
     sizes.clear()
     assert asyncio.run(probe.probe(info(0), ref)).result == "pass" and sizes == [16]  # no reserve: all in one
