@@ -7,6 +7,10 @@ exists, so a trainer that dies mid-upload leaves a folder that nobody loads;
 the next trainer skips that number instead of reusing it. The claim makes the
 name exclusive even between two trainers racing for it, wherever the store
 has atomic exclusive creates (bucket/store.py).
+
+`root` is the folder the versions live in: a run's bucket has them in
+adapters/ (the default); a pool's bucket has each run's in adapters/<run_id>/
+(bucket/pool.py), written by the same functions.
 """
 
 from __future__ import annotations
@@ -32,72 +36,94 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def next_version(store: Store) -> Version:
+def version_key(version: Version, root: str = layout.ADAPTERS) -> str:
+    """The version's folder in the bucket (`version.key` under the default root)."""
+    return f"{root}/{Version(version).folder}"
+
+
+def next_version(store: Store, root: str = layout.ADAPTERS) -> Version:
     """One past every version folder ever started, committed or not: names are never reused."""
-    return Version(max(Version.among(store.list(layout.ADAPTERS)), default=0) + 1)
+    return Version(max(Version.among(store.list(root)), default=0) + 1)
 
 
-def claim_version(store: Store, owner: str = "") -> Version:
+def claim(store: Store, version: Version, owner: str = "", root: str = layout.ADAPTERS) -> bool:
+    """Take the name `version` (its CLAIM.json, created exclusively); False when another writer has it."""
+    body = json.dumps({"version": Version(version), "owner": owner, "claimed_at": time.time()}).encode()
+    return store.put_if_absent(f"{version_key(version, root)}/{CLAIM}", body)
+
+
+def claim_version(store: Store, owner: str = "", root: str = layout.ADAPTERS) -> Version:
     """A new version name that no other writer has or will get: one past every folder, created exclusively."""
     while True:
-        version = next_version(store)
-        claim = json.dumps({"version": version, "owner": owner, "claimed_at": time.time()}).encode()
-        if store.put_if_absent(f"{version.key}/{CLAIM}", claim):
+        version = next_version(store, root)
+        if claim(store, version, owner, root):
             return version
         # another writer took this number between our listing and our create: list again
 
 
-def publish(
-    store: Store, version: Version, files: dict[str, bytes], meta: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    version = Version(version)
-    key = version.key
-    if store.exists(f"{key}/{layout.COMMIT_MARKER}"):
-        raise BucketError(f"adapter {key} is already committed; versions are immutable")
-    for name, data in files.items():
-        store.put_bytes(f"{key}/{name}", data)
-    marker = {
-        "version": version,
+def marker_for(version: Version, files: dict[str, bytes], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The commit marker of `files` as `version`: their sizes and checksums, plus `meta` (the canary...)."""
+    return {
+        "version": Version(version),
         "committed_at": time.time(),
         "files": {name: {"size": len(data), "sha256": sha256(data)} for name, data in files.items()},
         **(meta or {}),
     }
+
+
+def publish(
+    store: Store,
+    version: Version,
+    files: dict[str, bytes],
+    meta: dict[str, Any] | None = None,
+    root: str = layout.ADAPTERS,
+) -> dict[str, Any]:
+    version = Version(version)
+    key = version_key(version, root)
+    if store.exists(f"{key}/{layout.COMMIT_MARKER}"):
+        raise BucketError(f"adapter {key} is already committed; versions are immutable")
+    for name, data in files.items():
+        store.put_bytes(f"{key}/{name}", data)
+    marker = marker_for(version, files, meta)
     store.put_json(f"{key}/{layout.COMMIT_MARKER}", marker)
-    store.put_json(layout.ADAPTERS_LATEST, {"version": version, "committed_at": marker["committed_at"]})
+    store.put_json(f"{root}/LATEST.json", {"version": version, "committed_at": marker["committed_at"]})
     return marker
 
 
-def commit_marker(store: Store, version: Version) -> dict[str, Any] | None:
+def commit_marker(store: Store, version: Version, root: str = layout.ADAPTERS) -> dict[str, Any] | None:
     try:
-        return store.get_json(f"{Version(version).key}/{layout.COMMIT_MARKER}")
+        return store.get_json(f"{version_key(version, root)}/{layout.COMMIT_MARKER}")
     except NotFound:
         return None
 
 
-def latest_version(store: Store) -> Version | None:
+def latest_version(store: Store, root: str = layout.ADAPTERS) -> Version | None:
     """Newest committed version, from the LATEST pointer (one small read)."""
     try:
-        return Version(store.get_json(layout.ADAPTERS_LATEST)["version"])
+        return Version(store.get_json(f"{root}/LATEST.json")["version"])
     except NotFound:
         return None
 
 
-def committed_versions(store: Store) -> list[Version]:
-    return [v for v in Version.among(store.list(layout.ADAPTERS)) if store.exists(f"{v.key}/{layout.COMMIT_MARKER}")]
+def committed_versions(store: Store, root: str = layout.ADAPTERS) -> list[Version]:
+    return [
+        v for v in Version.among(store.list(root)) if store.exists(f"{version_key(v, root)}/{layout.COMMIT_MARKER}")
+    ]
 
 
-def read_verified(store: Store, version: Version) -> dict[str, bytes]:
+def read_verified(store: Store, version: Version, root: str = layout.ADAPTERS) -> dict[str, bytes]:
     """The files of a committed version, checked against their checksums."""
     version = Version(version)
-    marker = commit_marker(store, version)
+    key = version_key(version, root)
+    marker = commit_marker(store, version, root)
     if marker is None:
-        raise NotFound(f"adapter {version.key} is not committed")
+        raise NotFound(f"adapter {key} is not committed")
     files = {}
     for name, info in marker["files"].items():
-        data = store.get_bytes(f"{version.key}/{name}")
+        data = store.get_bytes(f"{key}/{name}")
         if len(data) != info["size"] or sha256(data) != info["sha256"]:
             raise AdapterCorrupt(
-                f"{store.url}/{version.key}/{name} does not match its commit marker "
+                f"{store.url}/{key}/{name} does not match its commit marker "
                 f"(size {len(data)} vs {info['size']}): the bucket was modified after commit"
             )
         files[name] = data

@@ -40,6 +40,13 @@ class AdapterRef:
     lora_name: str
     version: Version  # its folder has the same name in the bucket and under every replica's adapter root
     canary: Canary | None = field(default=None, compare=False, repr=False)  # from the commit marker, if any
+    # The run whose folder below the adapters root holds it, in a pool's bucket (adapters/<run_id>/v000007,
+    # bucket/pool.py); "" for a run's own bucket (adapters/v000007).
+    pool_run: str = ""
+
+    def path_under(self, root: str) -> str:
+        """Its folder below a replica's adapter root (the replica's mount or mirror of the adapters folder)."""
+        return self.version.path_under(os.path.join(root, self.pool_run) if self.pool_run else root)
 
 
 def _bucket_relative(store: Store, lora_path: str) -> str:

@@ -220,7 +220,7 @@ class Upstream:
         """Load on one replica; retry "No adapter found" (its mount or mirror lagging) until `deadline`."""
         body = {
             "lora_name": ad.lora_name,
-            "lora_path": ad.version.path_under(info.adapter_root),
+            "lora_path": ad.path_under(info.adapter_root),
             "load_inplace": False,
         }
         missing = await self._on_disk(info, ad.version)
