@@ -31,11 +31,14 @@ log = logging.getLogger("brigade.events")
 class EventKind(StrEnum):
     PUBLISHED = "adapter_published"  # trainer: version committed in the bucket (serialize_s, upload_s)
     TRAIN_STEP = "train_step"  # trainer: one optimizer step's metrics
-    DETECTED = "adapter_detected"  # proxy: saw the new LATEST pointer, about to load it (older runs: rollout worker)
+    # proxy: saw the new LATEST pointer, about to load it (older runs, and runs on a shared pool: rollout worker)
+    DETECTED = "adapter_detected"
     FIRST_ROLLOUT = "adapter_first_rollout"  # rollout worker: first scored group of a version per replica (replica)
     SHARD_WRITTEN = "rollout_shard_written"  # rollout worker
     LOADED = "adapter_loaded"  # proxy: loaded on one replica (field: replica)
-    LOADED_ALL = "adapter_loaded_all"  # proxy: loaded on every replica
+    # proxy: loaded on every replica; a run on a shared pool: its rollout worker, once the pool answered the push
+    # (fields pool, upload_s, committed_at, commit_to_live_s; rollout_worker/pool_publisher.py)
+    LOADED_ALL = "adapter_loaded_all"
     LOAD_FAILED = "adapter_load_failed"  # proxy: rolled back
     UNLOADED = "adapter_unloaded"  # proxy
     REPLICA_STARTED = "replica_started"  # replica sidecar: vLLM healthy and registered
@@ -54,6 +57,11 @@ class EventKind(StrEnum):
     REWARD_FAILED = "reward_failed"  # rollout worker: a reward function raised or timed out (rewards None)
     # proxy: the replica count it asks for, or the count serving, changed (desired, actual, reason, signals)
     DESIRED_REPLICAS = "desired_replicas"
+    # A shared pool's proxy (docs/pool.md), each with the field `run`:
+    RUN_ADMITTED = "run_admitted"  # a run attached (weight, max_staleness, live_window, slots_used, slots)
+    RUN_REFUSED = "run_refused"  # a run was refused admission (reason: base_model | capacity, message)
+    RUN_DETACHED = "run_detached"  # a run left (reason: left | lease_lapsed; unloaded: its adapters' names)
+    ADAPTER_PUSHED = "adapter_pushed"  # a run's version was committed in the pool's bucket (version, bytes)
 
 
 # Module-level names, so call sites read `events.PUBLISHED`.
@@ -81,6 +89,10 @@ EVAL_SKIPPED = EventKind.EVAL_SKIPPED
 CURRICULUM = EventKind.CURRICULUM
 REWARD_FAILED = EventKind.REWARD_FAILED
 DESIRED_REPLICAS = EventKind.DESIRED_REPLICAS
+RUN_ADMITTED = EventKind.RUN_ADMITTED
+RUN_REFUSED = EventKind.RUN_REFUSED
+RUN_DETACHED = EventKind.RUN_DETACHED
+ADAPTER_PUSHED = EventKind.ADAPTER_PUSHED
 
 
 def default_writer(job: str) -> str:

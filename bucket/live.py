@@ -8,6 +8,11 @@ it) still uses it, and a replica that joins must hold every live version
 before it gets traffic. The mirror therefore fetches, and never prunes, what
 this object lists. A missing or unreadable object means "nothing extra": the
 mirror's own window still applies.
+
+In a pool (bucket/pool.py) version numbers repeat across runs, so the proxy
+lists each run's live versions under `runs` (a run's mirror reads only its own
+entry); `versions` stays the single run's list. A reader of an object written
+before `runs` existed gets {} for it.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ class LiveVersions(BaseModel):
     versions: list[Version] = Field(
         default_factory=list, description="adapter versions loaded on every routable replica"
     )
+    runs: dict[str, list[Version]] = Field(
+        default_factory=dict, description="in a pool: each admitted run's versions loaded on every routable replica"
+    )
     at: float = Field(default_factory=time.time)
 
 
-def write_live(store: Store, versions: list[Version]) -> None:
-    store.put_json(layout.PROXY_LIVE, LiveVersions(versions=sorted(set(versions))).model_dump())
+def write_live(store: Store, versions: list[Version], runs: dict[str, list[Version]] | None = None) -> None:
+    by_run = {run: sorted(set(vs)) for run, vs in (runs or {}).items()}
+    store.put_json(layout.PROXY_LIVE, LiveVersions(versions=sorted(set(versions)), runs=by_run).model_dump())
 
 
 def read_live(store: Store) -> list[Version]:
@@ -38,3 +47,11 @@ def read_live(store: Store) -> list[Version]:
         return LiveVersions(**store.get_json(layout.PROXY_LIVE)).versions
     except (BucketError, OSError, ValidationError, TypeError, ValueError):  # a failed read is retried next second
         return []
+
+
+def read_live_runs(store: Store) -> dict[str, list[Version]]:
+    """A pool's live versions by run, {} when the proxy has written none (or the object cannot be read now)."""
+    try:
+        return LiveVersions(**store.get_json(layout.PROXY_LIVE)).runs
+    except (BucketError, OSError, ValidationError, TypeError, ValueError):  # a failed read is retried next second
+        return {}

@@ -36,6 +36,9 @@ class ReplicaInfo(BaseModel):
     # sends a load only once the version is listed here. None: no mirror (vLLM reads the bucket's own folder,
     # a local path or mount), so a load is sent at once and "No adapter found" retried for a bounded time.
     mirrored: list[Version] | None = None
+    # In a pool (bucket/pool.py): the same per admitted run, whose versions lie under <adapter_root>/<run_id>/.
+    # None: no pool mirror (a run's bucket, or a pool bucket vLLM reads as a local path or mount).
+    mirrored_runs: dict[str, list[Version]] | None = None
     # Started with vLLM's priority scheduling (every `brigade replica` is): requests may carry `priority`. A
     # replica without it refuses any priority but 0, so the proxy sends none there.
     priority_scheduling: bool = False

@@ -42,6 +42,9 @@ class Sample(BaseModel):
     reward: float
     finish_reason: str | None = None
     replica: str = Field("", description="replica that generated it (proxy's x-brigade-replica header)")
+    # What the replica said served it (vLLM's `model` field): the base model or "<run_id>-v000007". A shared
+    # pool's audit reads it: a run's rollouts must never have been generated with another run's adapter.
+    model: str = Field("", description="the model name the replica answered under")
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Sample:

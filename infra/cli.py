@@ -33,6 +33,7 @@ OWN_PARSER: dict[str, str] = {
     "eval": "infra.eval",
     "export": "infra.export",
     "track": "infra.tracking",
+    "pool": "infra.pool_cli",
 }
 ENTRY_POINTS: dict[str, str] = {**JOBS, **OWN_PARSER}
 

@@ -36,11 +36,12 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from bucket import events as ev
 from bucket.events import EventLog
 from bucket.manifest import RunManifest
+from bucket.pool import PoolManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 from proxy.adapters.fanout import AdapterFanout
@@ -52,12 +53,16 @@ from proxy.endpoints import ROUTES, endpoint_for, handlers_for
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.metrics import ProxyMetrics
+from proxy.pool.access import PoolAccess
+from proxy.pool.http import pool_routes
+from proxy.pool.service import Pool
 from proxy.replicas.membership import Membership
 from proxy.replicas.upstream import Upstream
 from proxy.routing.router import PrefixRouter
 from proxy.scaling.autoscaler import Autoscaler, Load
 from proxy.serving.forwarding import Forwarder, SendGeneration
 from proxy.serving.pool import ReplicaConnections
+from proxy.serving.slots import run_of_model
 from proxy.state import ProxyState
 
 log = logging.getLogger("brigade.proxy")
@@ -69,6 +74,9 @@ class Proxy:
     `transport` and `send_generations` are how tests reach replicas in this process: the httpx transport of
     the client for admin calls and probes, and a factory of the forwarder's `send` given the `Upstream`
     (tests/proxy/seams.py). Left out, generations go over pooled sockets (serving/pool.py).
+
+    `pool`: serve a shared pool (proxy/pool/, docs/pool.md) instead of one run: `manifest` is then None (a
+    pool has no run.json), runs attach over HTTP with their own tokens, and every generation needs one.
     """
 
     def __init__(
@@ -81,10 +89,20 @@ class Proxy:
         transport: httpx.AsyncBaseTransport | None = None,
         send_generations: Callable[[Upstream], SendGeneration] | None = None,
         event_log: EventLog | None = None,
+        pool: PoolManifest | None = None,
     ):
+        if pool is not None and manifest is not None:
+            raise ValueError("a proxy serves one run (its run.json) or a shared pool (its pool.json), not both")
         self.config = config
         self.store = store
         self.manifest = manifest
+        self.admin_token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
+        # The pool's tokens, needed by the forwarder's gate (each generation's token) before the rest of the pool.
+        access = (
+            PoolAccess(store, pool.base_model, self.admin_token, config.admin_token_env, config.pool_token_refresh_s)
+            if pool is not None
+            else None
+        )
         router = PrefixRouter(config.block_size, config.spill_threshold, config.max_routing_blocks)
         # Every part below gets its collaborators at construction, in dependency order; nothing is re-wired later.
         self.state = ProxyState(config, store, manifest, router, ProxyMetrics(live=self._live_metrics))
@@ -109,6 +127,8 @@ class Proxy:
             self.upstream,
             send=send_generations(self.upstream) if send_generations else self.connections.send,
             on_failure=self.membership.eject,  # a failure seen on the hot path ejects the replica at once
+            gate=access.generation if access is not None else None,  # a pool's: whose token, naming what
+            run_of=run_of_model if access is not None else None,  # a pool's: whose request, for fair sharing
         )
         self.fanout = AdapterFanout(
             self.state,
@@ -119,9 +139,16 @@ class Proxy:
             on_probe_failed=functools.partial(self.membership.eject, cause="canary_probe"),
             on_load_failed=self.forwarder.resume,  # a client that paused before a failed load may never resume
         )
-        self.lifecycle = AdapterLifecycle(self.state, self.fanout, self.events)
+        self.lifecycle = AdapterLifecycle(self.state, self.fanout, self.events)  # off without a run (a pool)
+        self.pool = (
+            Pool(self.state, self.fanout, self.events, self.upstream, pool, access, discover=self.membership.discover)
+            if pool is not None and access is not None
+            else None
+        )
+        if self.pool is not None:
+            runs = self.pool.runs.runs
+            self.forwarder.set_weights(lambda run: runs[run].weight if run in runs else 1.0)
         self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
-        self.admin_token = os.environ.get(config.admin_token_env, "") if config.admin_token_env else ""
         self._snapshots: asyncio.Task | None = None
 
     # -- shared state, read by tests and /server_info ----------------------------
@@ -152,13 +179,16 @@ class Proxy:
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
         self.upstream.open()
+        if self.pool is not None:
+            await self.pool.start()  # before membership: joiners are given the versions the pool adopted
         await self.membership.start()
         await self.lifecycle.start()  # after membership: what the replicas already hold is adopted first
         self._snapshots = asyncio.create_task(self._snapshot_forever())
         await self.autoscaler.start()
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info(
-            "proxy up: replicas from %s, %d routable, max_inflight %d (%d per replica); admin endpoints %s",
+            "proxy up%s: replicas from %s, %d routable, max_inflight %d (%d per replica); admin endpoints %s",
+            f" for the pool {self.pool.manifest.pool_id} ({self.pool.manifest.base_model})" if self.pool else "",
             mode,
             len(self.routable),
             self.config.max_inflight,
@@ -167,6 +197,8 @@ class Proxy:
         )
 
     async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
         await self.autoscaler.close()
         if self._snapshots is not None:
             self._snapshots.cancel()
@@ -183,10 +215,14 @@ class Proxy:
     async def refresh(self) -> None:
         await self.membership.refresh()
 
-    async def load_adapter(self, body: Any) -> Response:
+    async def load_adapter(self, body: Any, authorization: str | None = None) -> Response:
+        if self.pool is not None:  # a run's token may load its own versions: the pool checks which
+            return await self.pool.load(body, authorization)
         return await self.fanout.load_adapter(body)
 
-    async def unload_adapter(self, body: Any) -> Response:
+    async def unload_adapter(self, body: Any, authorization: str | None = None) -> Response:
+        if self.pool is not None:
+            return await self.pool.unload(body, authorization)
         return await self.fanout.unload_adapter(body)
 
     async def broadcast(self, path: str, query: str) -> Response:
@@ -197,6 +233,16 @@ class Proxy:
 
     def live_adapters(self) -> dict[str, Any]:
         return self.lifecycle.live()
+
+    async def live_adapters_for(self, authorization: str | None) -> Response:
+        """`GET /live_adapters`: the run's live versions; in a pool, the token's run's (the admin's: all runs')."""
+        if self.pool is not None:
+            return await self.pool.live(authorization)
+        return JSONResponse(self.live_adapters())
+
+    @property
+    def pool_mode(self) -> bool:
+        return self.pool is not None
 
     async def world_size(self) -> int:
         return await self.forwarder.world_size()
@@ -225,6 +271,7 @@ class Proxy:
         cfg = self.config.model_dump()  # holds the keys' variable names, never the keys
         return {
             "run_id": self.manifest.run_id if self.manifest else None,
+            "pool": self.pool.status() if self.pool is not None else None,
             "bucket": self.store.url,
             "replicas": [
                 {
@@ -306,6 +353,7 @@ class Proxy:
             "replicas": len(self.routable),
             "known": len(self.routable) + len(m.joining),
             "desired": self.autoscaler.desired,
+            "runs": f.fair.snapshot(),  # per-run fair-share accounts (brigade_proxy_run_*{run})
         }
 
     def _load(self) -> Load:
@@ -347,6 +395,9 @@ def create_app(proxy: Proxy) -> FastAPI:
     app = FastAPI(title="brigade proxy", lifespan=lifespan)
     app.state.proxy = proxy
     handlers = handlers_for(proxy)
+    if proxy.pool is not None:
+        for path, method, endpoint in pool_routes(proxy.pool):
+            app.add_api_route(path, endpoint, methods=[method], name=f"pool_{endpoint.__name__}")
     for path, method, kind in ROUTES:
         endpoint = endpoint_for(proxy, handlers[kind], path)
         # The names the routes had as functions before this table, so OpenAPI operation ids stay the same.

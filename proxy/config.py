@@ -105,6 +105,31 @@ class ProxyConfig(BaseModel):
         description="A /pause without /resume ends after this long (a client that died must not leave generation "
         "paused); a failed adapter load also ends a pause.",
     )
+    # A shared pool (docs/pool.md): several runs attach over HTTP, each with its own token and adapters.
+    pool: bool = Field(
+        False,
+        description="Serve a shared replica pool: the bucket is the pool's (pool.json, written by `brigade pool "
+        "init`), runs attach over HTTP with their own tokens and push their adapters (docs/pool.md); there is no "
+        "run.json and no adapter watching. Off: serve the one run of the bucket's run.json.",
+    )
+    pool_run_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Pool mode: a run whose lease (PUT /pool/runs/RUN/lease) is not renewed for this long is "
+        "detached: its adapters unloaded everywhere, its adapter slots freed.",
+    )
+    pool_max_loras: int = Field(
+        0,
+        ge=0,
+        description="Pool mode: adapter slots per replica for replicas that do not say (static replica_urls); "
+        "registered replicas announce their --max-loras. 0 = admit no run until a replica says.",
+    )
+    pool_token_refresh_s: float = Field(
+        1.0,
+        gt=0,
+        description="Pool mode: a bearer token the proxy does not know makes it re-read the run tokens "
+        "(tokens/*.json) at most this often (a run given its token after the proxy started).",
+    )
     snapshot_s: float = Field(
         5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
     )

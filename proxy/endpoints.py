@@ -25,19 +25,23 @@ class ProxyApi(Protocol):
 
     config: ProxyConfig
 
+    @property
+    def pool_mode(self) -> bool: ...
     def health(self) -> tuple[bool, str]: ...
     def authorized(self, authorization: str | None) -> bool: ...
     async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None) -> Any: ...
-    async def load_adapter(self, body: Any) -> Response: ...
-    async def unload_adapter(self, body: Any) -> Response: ...
+    async def load_adapter(self, body: Any, authorization: str | None = None) -> Response: ...
+    async def unload_adapter(self, body: Any, authorization: str | None = None) -> Response: ...
     async def broadcast(self, path: str, query: str) -> Response: ...
-    def live_adapters(self) -> dict[str, Any]: ...
+    async def live_adapters_for(self, authorization: str | None) -> Response: ...
     async def world_size(self) -> int: ...
     async def server_info(self, query: str) -> dict[str, Any]: ...
     def render_metrics(self) -> bytes: ...
 
 
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume"})
+# In a pool a run's own token may load and unload its own adapters too: the pool checks the caller itself.
+RUN_TOKEN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 # A handler kind answers a request to `path`; the table below says which kind serves which path.
 Handler = Callable[[Request, str], Awaitable[Response]]
@@ -79,16 +83,16 @@ def handlers_for(proxy: ProxyApi) -> dict[str, Handler]:
         return await proxy.forward(request.method, path, request.url.query, body, request.headers.get("content-type"))
 
     async def load(request: Request, path: str) -> Response:
-        return await proxy.load_adapter(await _json_body(request))
+        return await proxy.load_adapter(await _json_body(request), request.headers.get("authorization"))
 
     async def unload(request: Request, path: str) -> Response:
-        return await proxy.unload_adapter(await _json_body(request))
+        return await proxy.unload_adapter(await _json_body(request), request.headers.get("authorization"))
 
     async def broadcast(request: Request, path: str) -> Response:
         return await proxy.broadcast(path, request.url.query)
 
     async def live_adapters(request: Request, path: str) -> Response:
-        return JSONResponse(proxy.live_adapters())
+        return await proxy.live_adapters_for(request.headers.get("authorization"))
 
     async def world_size(request: Request, path: str) -> Response:
         return JSONResponse({"world_size": await proxy.world_size()})
@@ -113,7 +117,7 @@ def handlers_for(proxy: ProxyApi) -> dict[str, Handler]:
 
 
 def endpoint_for(proxy: ProxyApi, handler: Handler, path: str) -> Callable[[Request], Awaitable[Response]]:
-    admin = path in ADMIN_PATHS
+    admin = path in ADMIN_PATHS and not (proxy.pool_mode and path in RUN_TOKEN_PATHS)
 
     async def endpoint(request: Request) -> Response:
         if admin and not proxy.authorized(request.headers.get("authorization")):

@@ -13,6 +13,8 @@ _ERROR_TYPES = {
     403: "ForbiddenError",
     404: "NotFoundError",
     409: "ConflictError",
+    413: "PayloadTooLargeError",
+    422: "UnprocessableEntityError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
 }

@@ -1,4 +1,8 @@
-"""`brigade proxy`: check the run, then serve the proxy (its own HTTP server: serving/httpserver.py)."""
+"""`brigade proxy`: check the run (or the pool), then serve the proxy (its own HTTP server: serving/httpserver.py).
+
+With `proxy.pool` (`--proxy.pool`) the bucket is a shared pool's (pool.json, bucket/pool.py): there is no run
+to check, and runs attach over HTTP (docs/pool.md). Without it, the bucket's run.json is the one run served.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from fastapi import FastAPI
 
 from bucket import layout
 from bucket.config import BucketConfig, ConfigError, open_bucket
-from bucket.manifest import RunSpec, wait_and_check
+from bucket.manifest import RunManifest, RunSpec, wait_and_check
+from bucket.pool import POOL_MANIFEST, PoolManifest, read_pool
 from proxy.app import Proxy, create_app
 from proxy.config import ProxyConfig
 from proxy.serving.httpserver import serve
@@ -19,10 +24,25 @@ log = logging.getLogger("brigade.proxy")
 
 
 def build_app(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> FastAPI:
-    """The proxy's ASGI app for a run config (opens the bucket and checks run.json; starts nothing)."""
+    """The proxy's ASGI app (opens the bucket and checks run.json, or pool.json with proxy.pool; starts nothing)."""
     store = open_bucket(bucket)
-    manifest = wait_and_check(store, spec, "proxy", bucket.manifest_wait_s)
     pc = settings
+    manifest: RunManifest | None = None
+    pool: PoolManifest | None = None
+    if pc.pool:
+        pool = read_pool(store)  # a BucketError saying how to make one when pool.json is missing
+        if store.exists(layout.RUN_MANIFEST):
+            raise ConfigError(
+                f"{store.url} holds both pool.json and run.json: a pool's bucket (or prefix) is its own, apart from "
+                "every run's; give the pool a bucket of its own (`brigade pool init`)"
+            )
+    elif store.exists(POOL_MANIFEST) and not store.exists(layout.RUN_MANIFEST):
+        raise ConfigError(
+            f"{store.url} is a shared pool's bucket (it holds pool.json, no run.json): start the proxy with "
+            "--proxy.pool (proxy.pool = true) to serve the pool, or name a run's bucket"
+        )
+    else:
+        manifest = wait_and_check(store, spec, "proxy", bucket.manifest_wait_s)
     adapter_root = pc.adapter_root or store.local_path(layout.ADAPTERS)
     if pc.replica_urls and not adapter_root:
         raise ConfigError(
@@ -30,8 +50,11 @@ def build_app(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> Fas
             "where the replicas find adapter versions (--proxy.adapter-root), or let the replicas register in the "
             "bucket (leave --proxy.replica-urls empty)"
         )
-    proxy = Proxy(pc, store, manifest, static_adapter_root=adapter_root if pc.replica_urls else None)
-    log.info("run %s: base model %s, bucket %s", manifest.run_id, manifest.base_model, store.url)
+    proxy = Proxy(pc, store, manifest, static_adapter_root=adapter_root if pc.replica_urls else None, pool=pool)
+    if manifest is not None:
+        log.info("run %s: base model %s, bucket %s", manifest.run_id, manifest.base_model, store.url)
+    elif pool is not None:
+        log.info("pool %s: base model %s, bucket %s", pool.pool_id, pool.base_model, store.url)
     return create_app(proxy)
 
 

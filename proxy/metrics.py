@@ -86,6 +86,37 @@ class _Live(ScrapeCollector):
         if v.get("desired") is not None:  # no sample until a replica is seen (or with the autoscaler off)
             desired.add_metric([], v["desired"])
         yield desired
+        yield from _per_run(v.get("runs") or {})
+
+
+def _per_run(runs: dict[str, dict[str, float]]) -> Any:
+    """The runs sharing the slots (slots.FairShare.snapshot: at most its max_runs, idle ones forgotten), by `run`
+    ("" is requests of no run: a single-run proxy's, or the base model's in a pool)."""
+    for family, name, doc, field in (
+        (
+            CounterMetricFamily,
+            "run_served_tokens",
+            "Prompt plus completion tokens served per run (the completion expected where the answer had no usage).",
+            "tokens",
+        ),
+        (
+            CounterMetricFamily,
+            "run_served_requests",
+            "Generation requests given a replica's slots, per run.",
+            "requests",
+        ),
+        (
+            GaugeMetricFamily,
+            "run_waiting_requests",
+            "Requests waiting in the proxy for a replica's slots, per run.",
+            "waiting",
+        ),
+        (GaugeMetricFamily, "run_weight", "Each run's weight in the fair sharing of the replicas' slots.", "weight"),
+    ):
+        fam = family(f"brigade_proxy_{name}", doc, labels=["run"])
+        for run, values in runs.items():
+            fam.add_metric([run], values[field])
+        yield fam
 
 
 class ProxyMetrics(JobMetrics):

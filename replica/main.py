@@ -1,14 +1,16 @@
 """`brigade replica`: stock vLLM plus a small sidecar that makes it findable through the bucket.
 
 The sidecar (this process):
-  1. checks run.json and the model folder, so a wrong setup fails in seconds,
-     not after vLLM's minute-long start;
+  1. checks run.json (or a pool's pool.json: pool_mode.py) and the model
+     folder, so a wrong setup fails in seconds, not after vLLM's minute-long
+     start;
   2. starts vLLM as a child process with runtime LoRA loading on and waits
      for /health;
   3. registers the replica in the bucket (replicas/<id>.json) and heartbeats
      while vLLM is healthy; the proxy learns the replica set from there;
   4. when the bucket is not a local folder, mirrors committed adapters into a
-     local cache, since vLLM loads adapters from local paths only;
+     local cache, since vLLM loads adapters from local paths only (in a pool,
+     every admitted run's, each in a folder of its own: pool_mirror.py);
   5. on SIGTERM/SIGINT drains: registers as draining (the proxy sends no new
      groups here, only the siblings of groups already here), waits until the
      proxy says it has nothing more here (drain.py; at most
@@ -21,10 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -35,64 +35,23 @@ import httpx
 from bucket import events, layout, replicas, tokenizer_id
 from bucket.config import BucketConfig, open_bucket
 from bucket.events import EventLog
-from bucket.manifest import RunManifest, RunSpec, wait_and_check
+from bucket.manifest import RunManifest, RunSpec
+from bucket.pool import PoolManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 from bucket.version import Version
-from replica import warmup
+from replica import pool_mode, warmup
 from replica.config import ReplicaConfig
 from replica.drain import wait_drained
 from replica.metrics import ReplicaMetrics
 from replica.mirror import AdapterMirror
+from replica.pool_mirror import PoolMirror, versions_by_run
+from replica.startup import advertise_url, check_model_dir, check_port_free, metrics_port, replica_id
 from replica.vllm_server import ReplicaError, VllmServer, is_cpu_build, lora_roots, plan_server, scheduling_policy
 
 log = logging.getLogger("brigade.replica")
 
 MIRROR_POLL_S = 0.05  # one small GET of adapters/LATEST.json: a new version is copied ~50 ms after its commit
-
-
-def replica_id(rc: ReplicaConfig) -> str:
-    """Registry name; object-name safe because it becomes replicas/<id>.json."""
-    raw = rc.replica_id or f"{socket.gethostname()}-{rc.port}"
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", raw)[:100]
-
-
-def advertise_url(rc: ReplicaConfig) -> str:
-    if rc.advertise_url:
-        return rc.advertise_url.rstrip("/")
-    host = socket.gethostname() if rc.host in ("0.0.0.0", "::") else rc.host
-    return f"http://{host}:{rc.port}"
-
-
-def metrics_port(rc: ReplicaConfig) -> int:
-    return rc.metrics_port or rc.port + 1000
-
-
-def check_model_dir(path: str) -> None:
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ReplicaError(
-            f"no model at {path} (replica.model_path): build it with "
-            f"`brigade prepare-model --trainer.model-path {path}`, "
-            "or point --replica.model-path at a Hugging Face model folder"
-        )
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail clearly if something already listens there.
-
-    Otherwise that other server could answer our /health checks and we would
-    register a replica that is not ours.
-    """
-    bind_host = "" if host in ("0.0.0.0", "::") else host
-    with socket.socket() as s:
-        # SO_REUSEADDR as uvicorn sets it: a port in TIME_WAIT is free, one with a listener is not.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((bind_host, port))
-        except OSError as exc:
-            raise ReplicaError(
-                f"cannot listen on {host}:{port} ({exc.strerror}): choose another --replica.port"
-            ) from None
 
 
 class Replica:
@@ -106,7 +65,8 @@ class Replica:
         self.rid = replica_id(self.rc)
         self.registered = False
         self.server: VllmServer | None = None
-        self.mirror: AdapterMirror | None = None
+        self.mirror: AdapterMirror | PoolMirror | None = None
+        self.pool: PoolManifest | None = None  # set when the bucket is a pool's (pool_mode.py)
         self.info: ReplicaInfo | None = None  # set once registered
         self._registry_lock = threading.Lock()
         self._own_cache_dir: str | None = None
@@ -121,6 +81,16 @@ class Replica:
         cache_dir = self.rc.adapter_cache_dir
         if not cache_dir:
             cache_dir = self._own_cache_dir = tempfile.mkdtemp(prefix=f"brigade-adapters-{self.rid}-")
+        if self.pool is not None:
+            self.mirror = PoolMirror(
+                store,
+                cache_dir,
+                on_mirrored=lambda run, v, committed_at: self._mirrored(event_log, v, committed_at, run),
+                in_use=self._registered_by_run,
+                on_error=self._pool_mirror_failed,
+            )
+            self.mirror.sync_once()  # fail now if the bucket cannot be read, not in a thread later
+            return self.mirror.cache_dir
         self.mirror = AdapterMirror(
             store,
             cache_dir,
@@ -146,11 +116,32 @@ class Replica:
             return None
         return set(Version.among(roots, only="path"))
 
-    def _mirrored(self, event_log: EventLog, version: Version, committed_at: float) -> None:
-        self.metrics.adapter_mirrored(version)
-        event_log.emit(
-            events.ADAPTER_MIRRORED, version=version, committed_at=committed_at, path=self.mirror.path(version)
-        )
+    def _registered_by_run(self) -> dict[str, set[Version]] | None:
+        """A pool's versions vLLM has registered, by run (see `_registered_versions`)."""
+        if self.server is None or not self.server.alive() or self.mirror is None:
+            return None
+        roots = lora_roots(self.server.plan.base_url, self._vllm_headers())
+        return None if roots is None else versions_by_run(roots, self.mirror.cache_dir)
+
+    def _mirrored(self, event_log: EventLog, version: Version, committed_at: float, run: str = "") -> None:
+        path = self.mirror.path(run, version) if run else self.mirror.path(version)
+        log.info("mirrored adapter %s into %s", f"{run}/{version.folder}" if run else version.folder, path)
+        if run:
+            self.metrics.mirrored.inc()  # the newest-version gauge is one run's: versions of runs do not compare
+        else:
+            self.metrics.adapter_mirrored(version)
+        fields = {"run": run} if run else {}
+        event_log.emit(events.ADAPTER_MIRRORED, version=version, committed_at=committed_at, path=path, **fields)
+
+    def _pool_mirror_failed(self, run: str, exc: Exception) -> None:
+        log.warning("adapter mirror of pool run %s: %s", run, exc)
+        self.metrics.mirror_failures.inc()
+
+    def _mirror_fields(self) -> dict[str, object]:
+        """What the registry entry says the mirror holds (none without a mirror: vLLM reads the bucket)."""
+        if isinstance(self.mirror, PoolMirror):
+            return {"mirrored_runs": self.mirror.mirrored()}
+        return {"mirrored": self.mirror.mirrored()} if self.mirror is not None else {}
 
     def _log_path(self) -> str:
         log_dir = self.rc.log_dir or tempfile.mkdtemp(prefix="brigade-replica-")
@@ -188,8 +179,8 @@ class Replica:
                 return  # shutting down: do not re-register
             try:
                 with self._registry_lock:  # the mirror loop rewrites the same entry when a version lands
-                    if self.mirror is not None:
-                        info.mirrored = self.mirror.mirrored()
+                    for name, value in self._mirror_fields().items():
+                        setattr(info, name, value)
                     replicas.heartbeat(store, info)
                 self.metrics.heartbeat()
             except Exception as exc:  # a bucket hiccup must not kill a serving replica
@@ -199,8 +190,7 @@ class Replica:
     def _mirror_loop(self, store: Store) -> None:
         while not self.stop.wait(MIRROR_POLL_S):
             try:
-                for v in self.mirror.sync_once():
-                    log.info("mirrored adapter %s into %s", v.folder, self.mirror.path(v))
+                self.mirror.sync_once()  # each version copied is logged by `_mirrored`
                 self._publish_mirrored(store)
             except Exception as exc:
                 log.warning("adapter mirror: %s", exc)
@@ -212,13 +202,14 @@ class Replica:
         info = self.info
         if info is None or self.mirror is None:
             return  # not registered yet: the registration will carry the list
-        now = self.mirror.mirrored()
-        if now == info.mirrored:
+        now = self._mirror_fields()
+        if all(getattr(info, name) == value for name, value in now.items()):
             return
         with self._registry_lock:
             if self.stop.is_set():
                 return  # shutting down: a write now would re-register us after the deregistration
-            info.mirrored = now
+            for name, value in now.items():
+                setattr(info, name, value)
             replicas.register(store, info)
 
     def _warm_up(self, manifest: RunManifest) -> float | None:
@@ -243,7 +234,8 @@ class Replica:
     def serve(self) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health check otherwise
         store = open_bucket(self.bucket)
-        manifest = wait_and_check(store, self.spec, "replica", self.bucket.manifest_wait_s)
+        serving = pool_mode.resolve(store, self.spec, self.bucket.manifest_wait_s)
+        manifest, self.pool = serving.manifest, serving.pool
         check_model_dir(self.rc.model_path)
         tokenizer_id.check(manifest, self.rc.model_path, "replica")
         plan = plan_server(self.rc, manifest, cpu=is_cpu_build())
@@ -281,7 +273,7 @@ class Replica:
                 max_loras=plan.max_loras,
                 started_at=time.time(),
                 kv_blocks=self.server.kv_blocks(),
-                mirrored=self.mirror.mirrored() if self.mirror is not None else None,
+                **self._mirror_fields(),
                 priority_scheduling=scheduling_policy(plan.argv) == "priority",
                 max_num_seqs=self.rc.max_num_seqs,
                 control_seqs=self.rc.control_seqs if self.rc.max_num_seqs else 0,
@@ -309,6 +301,8 @@ class Replica:
                 file=sys.stderr,
                 flush=True,
             )
+            if self.pool is not None:
+                print(pool_mode.describe(self.pool, plan.max_loras, manifest.lora_rank), file=sys.stderr, flush=True)
             self._start_thread(self._heartbeat_loop, store, info)
             drained: dict[str, object] = {}
             while not self.stop.wait(0.5):

@@ -12,6 +12,10 @@ the rename, a load gets "No adapter found", which the proxy retries.
 Cost per poll is one small read (adapters/LATEST.json) however many versions
 the run has published, plus the proxy's live list (proxy/live.json) once a
 second; no listing.
+
+A pool's bucket holds each admitted run's versions under adapters/<run_id>/:
+replica/pool_mirror.py keeps one AdapterMirror per run, each with that `root`
+and a cache folder of its own.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from bucket import adapters, live
+from bucket import adapters, layout, live
 from bucket.store import TEMP_PREFIX, BucketError, Store
 from bucket.version import Version
 
@@ -48,6 +52,9 @@ class AdapterMirror:
     kept whatever their age: a joining replica must hold every one of them
     before the proxy lets traffic in. Nor is a version pruned while `in_use()`
     (the versions the replica's vLLM has registered) lists it.
+
+    `root`: the versions' folder in the bucket (a pool run's is adapters/<run_id>); `live`: where the live
+    versions come from instead of proxy/live.json's `versions` (a pool run's entry there), read every sync.
     """
 
     def __init__(
@@ -59,11 +66,14 @@ class AdapterMirror:
         on_mirrored: Callable[[Version, float], None] | None = None,
         live_every_s: float = 1.0,
         in_use: Callable[[], set[Version] | None] | None = None,
+        root: str = layout.ADAPTERS,
+        live: Callable[[], Iterable[Version]] | None = None,
     ):
         self.store = store
         self.cache_dir = os.path.abspath(cache_dir)
-        self.window = window
-        self.keep = keep if keep is not None else 2 * (window + 1)
+        self.root = root
+        self.live = live
+        self.set_window(window, keep)
         self.on_mirrored = on_mirrored
         self.live_every_s = live_every_s
         self.in_use = in_use
@@ -74,6 +84,12 @@ class AdapterMirror:
         self._bad: set[Version] = set()
         os.makedirs(self.cache_dir, exist_ok=True)
         self._remove_temporaries()
+
+    def set_window(self, window: int, keep: int | None = None) -> None:
+        """The staleness window (and what is kept on disk, twice it by default): a pool run re-attaching may
+        change its max_staleness."""
+        self.window = window
+        self.keep = keep if keep is not None else 2 * (window + 1)
 
     def path(self, version: Version) -> str:
         return Version(version).path_under(self.cache_dir)
@@ -86,7 +102,7 @@ class AdapterMirror:
 
     def sync_once(self) -> list[Version]:
         """Copy what is new since the last call; returns the versions mirrored now."""
-        latest = adapters.latest_version(self.store)
+        latest = adapters.latest_version(self.store, self.root)
         if latest is None:
             return []
         # First call: every version the mirror keeps (`keep` behind the newest), not just the staleness
@@ -108,10 +124,11 @@ class AdapterMirror:
                     done.append(version)
             except adapters.AdapterCorrupt as exc:
                 # Rereading will not fix a checksum mismatch: report once, skip it.
-                log.error("not mirroring adapter %s: %s", version.folder, exc)
+                log.error("not mirroring adapter %s: %s", adapters.version_key(version, self.root), exc)
                 self._bad.add(version)
             except (BucketError, OSError) as exc:
-                log.warning("mirroring adapter %s failed (will retry): %s", version.folder, exc)
+                key = adapters.version_key(version, self.root)
+                log.warning("mirroring adapter %s failed (will retry): %s", key, exc)
                 self._retry.add(version)
         self._seen_latest = latest if self._seen_latest is None else max(self._seen_latest, latest)
         self._prune(latest, live_now)
@@ -119,6 +136,8 @@ class AdapterMirror:
 
     def _live_versions(self) -> set[Version]:
         """The proxy's live versions, read at most every `live_every_s` (one small object; on S3 a GET)."""
+        if self.live is not None:
+            return {Version(v) for v in self.live()}
         now = time.monotonic()
         if now - self._live_read_at >= self.live_every_s:
             self._live_read_at = now
@@ -128,10 +147,10 @@ class AdapterMirror:
     def mirror_version(self, version: Version) -> bool:
         """Copy one version if it is committed; False for a number the trainer abandoned."""
         version = Version(version)
-        marker = adapters.commit_marker(self.store, version)
+        marker = adapters.commit_marker(self.store, version, self.root)
         if marker is None:
             return False  # LATEST only moves after a commit, so an uncommitted lower number is abandoned
-        files = adapters.read_verified(self.store, version)
+        files = adapters.read_verified(self.store, version, self.root)
         tmp = os.path.join(self.cache_dir, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{version.folder}")
         os.makedirs(tmp)
         try:

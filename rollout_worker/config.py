@@ -11,7 +11,27 @@ class RolloutConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
     proxy_url: str = Field(
-        "http://127.0.0.1:8100", description="URL of the brigade proxy (or of a single vLLM server)."
+        "http://127.0.0.1:8100",
+        description="URL of the run's own brigade proxy (or of a single vLLM server); unused when pool_url is set.",
+    )
+    pool_url: str = Field(
+        "",
+        description="URL of a shared pool's proxy (several runs on one set of replicas; docs/design/shared_pool.md). "
+        "Set: the worker generates there instead of proxy_url, attaches the run to the pool at start (a pool that "
+        "serves another base model or has no adapter slots left refuses it, and the worker exits saying why), "
+        "renews its lease, pushes each adapter version the trainer commits in this run's bucket to the pool, and "
+        "detaches when it ends. Empty: the run's own proxy (proxy_url), which reads the run's bucket itself.",
+    )
+    pool_token_env: str = Field(
+        "BRIGADE_POOL_TOKEN",
+        description="Environment variable holding this run's pool token (`brigade pool token --run RUN_ID` prints "
+        "it once); sent as a bearer token on every request to the pool, never logged. Required with pool_url.",
+    )
+    pool_weight: float = Field(
+        1.0,
+        gt=0,
+        description="This run's share of the pool when runs compete for it: a run of weight 2 gets twice the "
+        "generated tokens of a run of weight 1 (used with pool_url only).",
     )
     worker_id: str = Field(
         "", description="Name of this worker's shard folder in the bucket; empty = hostname + random suffix."

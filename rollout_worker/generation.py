@@ -71,7 +71,7 @@ class Generator:
         if self.shape == "n_group":
             resp = await self._post("/v1/completions", self._body(model, ids, n))
             data = _check_served(model, resp.json())
-            samples = [self._sample(resp, choice) for choice in sorted(data["choices"], key=_index)]
+            samples = [self._sample(resp, choice, data) for choice in sorted(data["choices"], key=_index)]
             if len(samples) != n:
                 raise GenerationFailed(f"asked for {n} completions in one request, got {len(samples)}")
             return samples
@@ -84,7 +84,8 @@ class Generator:
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
         """One sampled completion with vLLM's logprob of each token (the trainer's importance-ratio denominator)."""
         resp = await self._post("/v1/completions", self._body(model, ids, 1))
-        return self._sample(resp, _check_served(model, resp.json())["choices"][0])
+        data = _check_served(model, resp.json())
+        return self._sample(resp, data["choices"][0], data)
 
     def _body(self, model: str, ids: list[int], n: int) -> dict[str, Any]:
         return {
@@ -123,7 +124,7 @@ class Generator:
             delay = min(2 * delay, RETRY_MAX_S)
         raise GenerationFailed(f"{path} failed after {MAX_ATTEMPTS} attempts (last: {problem})")
 
-    def _sample(self, resp: httpx.Response, choice: dict[str, Any]) -> Sample:
+    def _sample(self, resp: httpx.Response, choice: dict[str, Any], data: dict[str, Any]) -> Sample:
         token_ids = choice.get("token_ids")
         logprobs = choice["logprobs"]["token_logprobs"]
         if token_ids is None:
@@ -137,6 +138,7 @@ class Generator:
             reward=0.0,  # scored once the whole group is in
             finish_reason=choice.get("finish_reason"),
             replica=resp.headers.get("x-brigade-replica", ""),
+            model=str(data.get("model") or ""),
         )
 
 

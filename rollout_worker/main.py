@@ -14,6 +14,7 @@ The parts, each in its own module:
   prompts.py       the prompt dataset and the held-out evaluation set
   sampler.py       prompt order: epochs, seeded shuffles, curriculum, the data cursor in the bucket
   evaluation.py    greedy held-out accuracy of a version; eval_schedule.py: which (base, every few, final)
+  pool_client.py   on a shared pool (rollout.pool_url): attach, lease, detach; pool_publisher.py pushes adapters
 This module runs the loop that ties them together, and the job's entry `run`.
 """
 
@@ -41,6 +42,8 @@ from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import Generator
 from rollout_worker.live_adapter import LiveAdapter
 from rollout_worker.metrics import RolloutMetrics
+from rollout_worker.pool_client import ATTACH_RETRY_S, PoolSession, auth_headers, pool_token
+from rollout_worker.pool_publisher import Publisher
 from rollout_worker.prompts import load_data
 from rollout_worker.rewards import Scorer
 from rollout_worker.sampler import PromptSampler, Ticket
@@ -296,7 +299,9 @@ class Worker:
         )
 
 
-async def wait_for_proxy(client: httpx.AsyncClient, url: str, timeout_s: float) -> None:
+async def wait_for_proxy(
+    client: httpx.AsyncClient, url: str, timeout_s: float, what: str = "`brigade proxy` or fix --rollout.proxy-url"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -305,28 +310,48 @@ async def wait_for_proxy(client: httpx.AsyncClient, url: str, timeout_s: float) 
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise ConfigError(
-                f"the proxy at {url} did not answer /health within {timeout_s:.0f}s: "
-                "start `brigade proxy` or fix --rollout.proxy-url"
-            )
+            raise ConfigError(f"the proxy at {url} did not answer /health within {timeout_s:.0f}s: start {what}")
         await asyncio.sleep(0.5)
 
 
 async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig) -> int:
+    # On a pool (pool_client.py), the run's token goes on every request: checked before anything else starts.
+    token = pool_token(settings.pool_token_env, settings.pool_url) if settings.pool_url else ""
+    url = settings.pool_url or settings.proxy_url
     store = open_bucket(bucket)
     manifest = wait_and_check(store, spec, "rollout worker", bucket.manifest_wait_s)
     # One connection per completion in flight, plus a few for tokenising and reading the live versions. No admin
-    # token: the worker never loads or unloads (the proxy decides what its replicas hold).
+    # token: the worker never loads or unloads (the proxy decides what its replicas hold; a pool's, what the run
+    # pushed it).
     limits = httpx.Limits(max_connections=settings.max_inflight_groups * manifest.num_generations + 8)
     async with httpx.AsyncClient(
-        base_url=settings.proxy_url, timeout=settings.request_timeout_s, limits=limits
+        base_url=url, headers=auth_headers(token), timeout=settings.request_timeout_s, limits=limits
     ) as client:
-        await wait_for_proxy(client, settings.proxy_url, bucket.manifest_wait_s)
+        hint = (
+            "the pool's proxy or fix --rollout.pool-url"
+            if settings.pool_url
+            else "`brigade proxy` or fix --rollout.proxy-url"
+        )
+        await wait_for_proxy(client, url, bucket.manifest_wait_s, hint)
         worker = Worker(settings, store, manifest, client)
         if settings.metrics:
             worker.metrics.serve(settings.metrics_host, settings.metrics_port)
         try:
-            await worker.run()
+            if settings.pool_url:  # attached for as long as the worker runs; its adapters pushed as committed
+                pool = PoolSession(
+                    url,
+                    token,
+                    settings.pool_token_env,
+                    manifest,
+                    store,
+                    weight=settings.pool_weight,
+                    poll_s=settings.poll_s,
+                    # a pool with no replica yet answers 503: wait for it as long as for the proxy's /health
+                    attach_retry_s=max(ATTACH_RETRY_S, bucket.manifest_wait_s),
+                )
+                await pool.run(worker.run, Publisher(pool, worker.ev).run)
+            else:
+                await worker.run()
         finally:
             worker.metrics.close()
     return 0

@@ -16,6 +16,10 @@ with the newest; they never load or unload, so any number of them share one
 proxy without coordinating. Clients that load their own adapters through
 `/v1/load_lora_adapter` (TRL) keep doing so: versions they imported, and
 names outside this run's, are theirs to unload.
+
+A shared pool (proxy/pool/) has no run to watch: this lifecycle is off there,
+and the pool keeps each admitted run's window with the same `unload_stale`,
+answering `GET /live_adapters` per run with `live_answer`.
 """
 
 from __future__ import annotations
@@ -59,27 +63,15 @@ class AdapterLifecycle:
         manifest = self.state.manifest
         if manifest is None:
             return {}
-        return {
-            ad.version: ad for ad in self.state.loaded.values() if ad.lora_name == ad.version.lora_name(manifest.run_id)
-        }
+        return versions_of(self.state.loaded, manifest.run_id)
 
     def newest(self) -> Version | None:
         return max(self.run_versions(), default=None)
 
     def live(self) -> dict[str, Any]:
         """What `GET /live_adapters` answers: the live versions, the newest first among them."""
-        live = self.run_versions()
-        newest = max(live, default=None)
-        return {
-            "run_id": self.state.manifest.run_id if self.state.manifest else None,
-            "newest": int(newest) if newest is not None else None,
-            "lora_name": live[newest].lora_name if newest is not None else None,
-            "versions": sorted(int(v) for v in live),
-            "lora_names": {str(int(v)): ad.lora_name for v, ad in sorted(live.items())},
-            "latest_committed": int(self.latest) if self.latest is not None else None,
-            "loading": int(self.loading) if self.loading is not None else None,
-            "managed": self.enabled,
-        }
+        run_id = self.state.manifest.run_id if self.state.manifest else None
+        return live_answer(run_id, self.run_versions(), self.latest, self.loading, self.enabled)
 
     async def start(self) -> None:
         if self.enabled and self._task is None:
@@ -144,18 +136,55 @@ class AdapterLifecycle:
     async def _unload_stale(self) -> None:
         manifest = self.state.manifest
         assert manifest is not None
-        live = self.run_versions()
-        if not live:
-            return
-        low = max(live) - manifest.max_staleness
-        idle_s = self.state.config.unload_idle_s
-        for version, ad in sorted(live.items()):
-            if version >= low:
-                break
-            if self.state.idle_for(ad.lora_name) < idle_s:
-                continue  # a group or an evaluation still generates with it
-            resp = await self.fanout.unload(ad.lora_name)
-            if resp.status_code != 200:
-                log.warning(
-                    "unloading %s failed (HTTP %d); trying again at the next look", ad.lora_name, resp.status_code
-                )
+        await unload_stale(self.state, self.fanout, self.run_versions(), manifest.max_staleness)
+
+
+def versions_of(loaded: dict[str, AdapterRef], run_id: str, pool_run: bool = False) -> dict[Version, AdapterRef]:
+    """A run's versions among `loaded`, under the run's own names; a pool run's only from its own folder
+    (adapters/<run_id>/ in the pool's bucket), a run's own bucket's only from adapters/."""
+    folder = run_id if pool_run else ""
+    return {
+        ad.version: ad
+        for ad in loaded.values()
+        if ad.pool_run == folder and ad.lora_name == ad.version.lora_name(run_id)
+    }
+
+
+def live_answer(
+    run_id: str | None,
+    live: dict[Version, AdapterRef],
+    latest: Version | None,
+    loading: Version | None,
+    managed: bool,
+) -> dict[str, Any]:
+    """One run's part of `GET /live_adapters`: its live versions, the newest first among them."""
+    newest = max(live, default=None)
+    return {
+        "run_id": run_id,
+        "newest": int(newest) if newest is not None else None,
+        "lora_name": live[newest].lora_name if newest is not None else None,
+        "versions": sorted(int(v) for v in live),
+        "lora_names": {str(int(v)): ad.lora_name for v, ad in sorted(live.items())},
+        "latest_committed": int(latest) if latest is not None else None,
+        "loading": int(loading) if loading is not None else None,
+        "managed": managed,
+    }
+
+
+async def unload_stale(
+    state: ProxyState, fanout: AdapterFanout, live: dict[Version, AdapterRef], max_staleness: int
+) -> None:
+    """Unload a run's versions older than its newest - max_staleness once no request has named them for
+    unload_idle_s (a group or an evaluation still generating with one keeps it)."""
+    if not live:
+        return
+    low = max(live) - max_staleness
+    idle_s = state.config.unload_idle_s
+    for version, ad in sorted(live.items()):
+        if version >= low:
+            break
+        if state.idle_for(ad.lora_name) < idle_s:
+            continue  # a group or an evaluation still generates with it
+        resp = await fanout.unload(ad.lora_name)
+        if resp.status_code != 200:
+            log.warning("unloading %s failed (HTTP %d); trying again at the next look", ad.lora_name, resp.status_code)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from bucket import layout, live
+from bucket.version import Version
 from proxy.state import ProxyState
 
 log = logging.getLogger("brigade.proxy")
@@ -31,9 +32,13 @@ class LiveWriter:
         backoff = 0.5
         while self._dirty:
             self._dirty = False
-            versions = [ad.version for ad in self.state.loaded.values()]
+            versions = [ad.version for ad in self.state.loaded.values() if not ad.pool_run]
+            runs: dict[str, list[Version]] = {}  # a pool's: version numbers repeat across runs (bucket/live.py)
+            for ad in self.state.loaded.values():
+                if ad.pool_run:
+                    runs.setdefault(ad.pool_run, []).append(ad.version)
             try:
-                await asyncio.to_thread(live.write_live, self.state.store, versions)
+                await asyncio.to_thread(live.write_live, self.state.store, versions, runs)
                 backoff = 0.5
             except Exception as exc:  # noqa: BLE001 - any bucket failure: retry, never into the load path
                 log.warning("could not write %s (retrying in %.1fs): %s", layout.PROXY_LIVE, backoff, exc)

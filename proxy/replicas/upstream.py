@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,20 @@ def _as_httpx(exc: UpstreamError) -> httpx.HTTPError:
     if exc.timed_out:
         return httpx.ConnectTimeout(message) if exc.connect else httpx.ReadTimeout(message)
     return httpx.ConnectError(message) if exc.connect else httpx.ReadError(message)
+
+
+def _held(info: ReplicaInfo) -> list[Version] | None:
+    """The versions a replica's mirror lists as on its disk; None: no mirror (vLLM reads the bucket itself)."""
+    return info.mirrored
+
+
+def _held_in_pool(run: str) -> Callable[[ReplicaInfo], list[Version] | None]:
+    """`_held` of one pool run's versions (its folder below the adapter root, bucket/pool.py)."""
+
+    def held(info: ReplicaInfo) -> list[Version] | None:
+        return None if info.mirrored_runs is None else info.mirrored_runs.get(run, [])
+
+    return held
 
 
 class Upstream:
@@ -223,7 +238,7 @@ class Upstream:
             "lora_path": ad.path_under(info.adapter_root),
             "load_inplace": False,
         }
-        missing = await self._on_disk(info, ad.version)
+        missing = await self._on_disk(info, ad)
         if missing is not None:
             return ReplicaResult(info.replica_id, False, reason=missing, done_at=time.monotonic())
         delay, attempts, started = RETRY_FIRST_S, 0, time.monotonic()
@@ -264,26 +279,40 @@ class Upstream:
                 info.replica_id, False, status=resp.status_code, reason=reason, done_at=now, attempts=attempts
             )
 
-    async def _on_disk(self, info: ReplicaInfo, version: Version) -> str | None:
-        """Wait until a mirrored replica lists `version` as on its disk (its sidecar rewrites its registry entry
-        as soon as a copy lands); None once it does, or at once for a replica without a mirror, else why not.
+    async def _on_disk(self, info: ReplicaInfo, ad: AdapterRef) -> str | None:
+        """Wait until a mirrored replica lists `ad`'s version as on its disk (its sidecar rewrites its registry
+        entry as soon as a copy lands; a pool run's version is listed in `mirrored_runs[run]`); None once it
+        does, or at once for a replica without a mirror, else why not.
 
         A load is sent only then, so vLLM never looks for a folder that is not there yet; replicas that read
         the bucket's own folder (a local path or mount) keep the bounded "No adapter found" retry instead."""
-        if info.mirrored is None or version in info.mirrored or self.store is None:
+        run, version = ad.pool_run, ad.version
+        if run and info.mirrored_runs is None and info.mirrored is not None:
+            # It mirrors one run's adapters/ (its bucket held run.json when it started): adapters/<run>/ never lands.
+            return (
+                f"it mirrors a single run's adapters, not the pool's {run}/{version.folder}: start it with the "
+                "pool's own bucket (one holding pool.json and no run.json)"
+            )
+        held = _held_in_pool(run) if run else _held
+        if held(info) is None or version in held(info) or self.store is None:
             return None
         deadline = time.monotonic() + self.config.mirror_wait_s
         while True:
             now = await asyncio.to_thread(replicas.read, self.store, info.replica_id)
-            if now is not None and now.mirrored is not None:
-                info.mirrored = now.mirrored
-                if version in now.mirrored:
+            if now is not None and held(now) is not None:
+                if run:
+                    info.mirrored_runs = now.mirrored_runs
+                else:
+                    info.mirrored = now.mirrored
+                if version in held(now):
                     return None
             if time.monotonic() >= deadline:
-                held = ", ".join(v.folder for v in (info.mirrored or [])[-4:]) or "nothing"
+                where = f"{run}/{version.folder}" if run else version.folder
+                newest = ", ".join(v.folder for v in (held(info) or [])[-4:]) or "nothing"
                 return (
-                    f"its mirror did not list {version.folder} within mirror_wait_s={self.config.mirror_wait_s:g}s "
-                    f"(newest it holds: {held}); see the replica sidecar's log: can it read the bucket?"
+                    f"its mirror did not list {where} within mirror_wait_s={self.config.mirror_wait_s:g}s "
+                    f"(newest it holds{f' of run {run}' if run else ''}: {newest}); see the replica sidecar's log: "
+                    "can it read the bucket?"
                 )
             await asyncio.sleep(MIRROR_POLL_S)
 

@@ -30,7 +30,7 @@ from proxy.lora_paths import error_message
 from proxy.replicas.upstream import Upstream
 from proxy.replicas.wire import UpstreamError
 from proxy.serving.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
-from proxy.serving.slots import PrioritySlots
+from proxy.serving.slots import FairShare, PrioritySlots
 from proxy.state import ProxyState
 
 log = logging.getLogger("brigade.proxy")
@@ -62,6 +62,8 @@ class ReplicaAnswer(Protocol):
 
 # Sends a generation's body to `path` on a replica; raises wire.UpstreamError when it fails before answering.
 SendGeneration = Callable[[ReplicaInfo, str, bytes], Awaitable[ReplicaAnswer]]
+# A pool's generation gate: (Authorization header, the body's model) -> the request's run, or (status, message).
+Gate = Callable[[bytes | None, Any], Awaitable[str | tuple[int, str]]]
 
 
 def without_priority(body: bytes, payload: dict[str, Any]) -> bytes:
@@ -78,6 +80,11 @@ class Forwarder:
     `send` carries each generation to a replica (pool.py's `ReplicaConnections.send` in production).
     `on_failure(replica_id, reason)` is called when a replica failed a request before answering
     (membership ejects it: the passive half of the circuit breaker).
+    `gate(authorization, model)`, in a pool, says whether a generation's bearer token may name its model: the
+    request's run when it may, else (status, message) and nothing is forwarded (proxy/pool/access.py).
+    `weights(run)` is each run's weight in the fair sharing of the replicas' slots (slots.py; 1.0 without it);
+    `run_of(model)`, when set, names the run of a generation its caller did not name (slots.run_of_model
+    in a pool); without either, every request is of run "" and the order is first come first served.
     """
 
     def __init__(
@@ -87,6 +94,9 @@ class Forwarder:
         *,
         send: SendGeneration,
         on_failure: Callable[[str, str], None],
+        weights: Callable[[str], float | None] | None = None,
+        run_of: Callable[[str], str] | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.state = state
         self.upstream = upstream
@@ -94,6 +104,9 @@ class Forwarder:
         self.on_failure = on_failure
         self._slots = asyncio.Semaphore(state.config.max_inflight)
         self._replica_slots: dict[str, PrioritySlots] = {}
+        self.fair = FairShare(weights)  # the runs' virtual times, shared by every replica's slots
+        self.run_of = run_of
+        self.gate = gate
         self._lease: asyncio.TimerHandle | None = None
         self.waiting = 0
         self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
@@ -107,26 +120,48 @@ class Forwarder:
             if info is not None and info.max_num_seqs:
                 # its vLLM runs control_seqs more, kept for control requests (slots.py says why)
                 capacity = min(capacity, info.max_num_seqs)
-            slots = self._replica_slots[rid] = PrioritySlots(capacity)
+            slots = self._replica_slots[rid] = PrioritySlots(capacity, self.fair)
         return slots
 
     # -- generation ----------------------------------------------------------------------------
-    def _route(self, payload: dict[str, Any], tokens: list[int] | None, text: str | None, tried: set[str], n: int):
+    def set_weights(self, weights: Callable[[str], float | None] | None) -> None:
+        """The runs' weights from now on (the pool's admitted runs; None: every run 1.0)."""
+        self.fair.weights = weights
+
+    def _route(
+        self,
+        payload: dict[str, Any],
+        tokens: list[int] | None,
+        text: str | None,
+        tried: set[str],
+        n: int,
+        max_tokens: int | None,
+    ):
         router = self.state.router
-        max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
-        max_tokens = max_tokens if type(max_tokens) is int and max_tokens > 0 else None
         if tokens is not None:
             return router.route_tokens(payload["model"], tokens, tried, n=n, max_tokens=max_tokens)
         return router.route_text(payload["model"], text or "", tried, n=n, max_tokens=max_tokens)
 
-    async def generate(self, path: str, body: bytes, sink: ClientSink) -> None:
-        """Route one completions/chat request and relay the answer to `sink`; never raises for replica failures."""
+    async def generate(
+        self, path: str, body: bytes, sink: ClientSink, run: str | None = None, authorization: bytes | None = None
+    ) -> None:
+        """Route one completions/chat request and relay the answer to `sink`; never raises for replica failures.
+        `run`: whose share of the slots it takes (a pool run's token names it; None: `run_of(model)`, or "").
+        `authorization`: the request's Authorization header, for the `gate` (a pool's)."""
         try:
             payload = parse_generation(body)
             tokens, text = prompt_of(payload)
         except BadRequest as exc:
             sink.error(400, error_body(400, str(exc)))
             return
+        if self.gate is not None:
+            verdict = await self.gate(authorization, payload.get("model"))
+            if type(verdict) is not str:
+                status, message = verdict
+                sink.error(status, error_body(status, message))
+                return
+            if run is None:
+                run = verdict
         state = self.state
         if not state.dispatching.is_set():  # paused (/pause): new generations wait for /resume
             await state.dispatching.wait()
@@ -137,6 +172,8 @@ class Forwarder:
         # Counted from here to the end of its answer, waiting included: the lifecycle never unloads an adapter a
         # request in the proxy still names.
         model = payload["model"] if isinstance(payload.get("model"), str) else ""
+        if run is None:
+            run = self.run_of(model) if self.run_of is not None else ""
         state.hold(model)
         try:
             if slots.locked():
@@ -160,7 +197,7 @@ class Forwarder:
                 state.drop(model)
 
         try:
-            await self._generate(path, body, payload, tokens, text, sink, release_global)
+            await self._generate(path, body, payload, tokens, text, sink, release_global, run)
         except BaseException:
             release_global()
             raise
@@ -174,6 +211,7 @@ class Forwarder:
         text: str | None,
         sink: ClientSink,
         release_global: Callable[[], None],
+        run: str,
     ) -> None:
         state, router = self.state, self.state.router
         tried: set[str] = set()
@@ -182,8 +220,10 @@ class Forwarder:
         request_priority = request_priority if type(request_priority) is int else 0
         n = payload.get("n")
         sequences = n if type(n) is int and n > 0 else 1  # completions asked: the sequences it runs
+        max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
+        max_tokens = max_tokens if type(max_tokens) is int and max_tokens > 0 else None
         while True:
-            decision = self._route(payload, tokens, text, tried, sequences)
+            decision = self._route(payload, tokens, text, tried, sequences, max_tokens)
             if decision is None:
                 release_global()
                 why = f" (no answer from {sorted(tried)})" if tried else ""
@@ -192,8 +232,13 @@ class Forwarder:
             rid = decision.replica
             router.start(decision)
             rslot = self._replica_slot(rid)
+            # The run's fair-share charge: prompt + expected completion, the router's estimate (cost + the cached
+            # part of the prompt); the completion part is corrected when the answer's usage comes back (done).
+            expected = router.completion_tokens
+            decode = sequences * (min(float(max_tokens), expected) if max_tokens else expected)
+            served = decision.cost + decision.cached_tokens
             try:
-                await rslot.acquire(request_priority, sequences)
+                await rslot.acquire(request_priority, sequences, run, served)
             except BaseException:
                 router.finish(decision)
                 raise
@@ -204,6 +249,7 @@ class Forwarder:
                     raise UpstreamError("the replica left", retryable=True, connect=True)
                 ex = await self.send(info, path, body if info.priority_scheduling else without_priority(body, payload))
             except UpstreamError as exc:
+                self.fair.refund(run, served)  # not served: charged again wherever it goes next
                 rslot.release(sequences)
                 router.finish(decision)
                 self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
@@ -218,6 +264,7 @@ class Forwarder:
                 self.on_failure(rid, str(exc))
                 continue
             except BaseException:
+                self.fair.refund(run, served)
                 rslot.release(sequences)
                 router.finish(decision)
                 raise
@@ -227,7 +274,10 @@ class Forwarder:
         def done(ok: bool) -> None:
             rslot.release(sequences)
             release_global()
-            router.finish(decision, completion_tokens(ex.tail) if ok and ex.length is not None else None)
+            completion = completion_tokens(ex.tail) if ok and ex.length is not None else None
+            router.finish(decision, completion)
+            if completion is not None:
+                self.fair.correct(run, completion - decode)
             if not ok:
                 self.broken_answers += 1
                 self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1

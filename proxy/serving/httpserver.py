@@ -73,7 +73,10 @@ class _ClientConn(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._reject(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
-            self._reject(400, f"malformed HTTP request ({exc})")
+            if self._size > MAX_BODY:  # on_body stopped it
+                self._reject(413, f"the request body is over {MAX_BODY} bytes, the most the proxy holds in memory")
+            else:
+                self._reject(400, f"malformed HTTP request ({exc})")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -151,7 +154,12 @@ class _ClientConn(asyncio.Protocol):
         fast = FAST_PATHS.get(path) if req.method == b"POST" else None
         if fast is not None:
             sink = self._sink = RawSink(self, req.keep_alive)
-            coro = self.server.forwarder.generate(fast, req.body, sink)
+            forwarder = self.server.forwarder
+            if forwarder.gate is None:
+                coro = forwarder.generate(fast, req.body, sink)
+            else:  # a pool: the token says whose request it is and what it may name
+                auth = next((v for k, v in req.headers if k == b"authorization"), None)
+                coro = forwarder.generate(fast, req.body, sink, authorization=auth)
         else:
             coro = self._asgi(req, path, query)
         task = self.loop.create_task(coro)

@@ -113,7 +113,8 @@ class AsgiGeneration:
             if not message.get("more_body"):
                 break
         sink = AsgiSink()
-        task = asyncio.create_task(self.proxy.forwarder.generate(self.path, b"".join(chunks), sink))
+        auth = dict(scope.get("headers") or []).get(b"authorization")  # a pool's gate reads the token
+        task = asyncio.create_task(self.proxy.forwarder.generate(self.path, b"".join(chunks), sink, authorization=auth))
         try:
             while True:
                 kind, *args = await sink.queue.get()
