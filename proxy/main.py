@@ -1,6 +1,6 @@
 """`brigade proxy`: check the run (or the pool), then serve the proxy (its own HTTP server: serving/httpserver.py).
 
-With `proxy.pool` (`--proxy.pool`) the bucket is a shared pool's (pool.json, bucket/pool.py): there is no run
+With `proxy.pool` (`--proxy.pool true`) the bucket is a shared pool's (pool.json, bucket/pool.py): there is no run
 to check, and runs attach over HTTP (docs/pool.md). Without it, the bucket's run.json is the one run served.
 """
 
@@ -39,7 +39,7 @@ def build_app(settings: ProxyConfig, spec: RunSpec, bucket: BucketConfig) -> Fas
     elif store.exists(POOL_MANIFEST) and not store.exists(layout.RUN_MANIFEST):
         raise ConfigError(
             f"{store.url} is a shared pool's bucket (it holds pool.json, no run.json): start the proxy with "
-            "--proxy.pool (proxy.pool = true) to serve the pool, or name a run's bucket"
+            "--proxy.pool true (proxy.pool = true in the config) to serve the pool, or name a run's bucket"
         )
     else:
         manifest = wait_and_check(store, spec, "proxy", bucket.manifest_wait_s)

@@ -7,6 +7,7 @@
   server.py  the standard library's HTTP server and the thread that re-reads the bucket
   terminal.py  the same in a terminal (--terminal), with rich
   main.py    the command's flags
+  pool_data.py, pool_page.py  `--pool`: a shared pool's runs side by side (its bucket, its proxy's /metrics)
 
 Per-version sync stages come from `infra.timeline`. See docs/dashboard.md.
 """

@@ -12,12 +12,16 @@ the replica or the stage at fault. Which version "should be loaded":
 Live replicas are the registered ones whose heartbeat counter moved within the replica timeout, on
 this process's clock; with none live (a finished run), "loaded on every replica" is the proxy's
 adapter_loaded_all.
+
+A pool's banner (`check_pool`, `--pool`) judges each attached run the same way from the pool's
+snapshot (pool_data.py): its latest load, its newest pushed version, its p95; see docs/dashboard.md.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from infra.dashboard.data import RunData, percentile
 from infra.timeline import STAGES, VersionSync
@@ -130,3 +134,54 @@ def check(data: RunData, grace_s: float = 10.0, p95_limit_s: float = P95_LIMIT_S
     if faults:
         return Health("fault", faults[0], faults, notes)
     return Health("ok", "; ".join(notes) or "healthy", faults, notes)
+
+
+def check_pool(snap: dict[str, Any], grace_s: float = 10.0, now: float | None = None) -> Health:
+    """A pool's banner from `PoolData.snapshot()`: every attached run's newest pushed version live on every
+    replica, fast; the pool's bucket and proxy readable; every registered replica beating."""
+    now = time.time() if now is None else now
+    faults: list[str] = []
+    notes: list[str] = []
+    if snap["error"]:
+        faults.append(f"the pool's bucket could not be read: {snap['error']}")
+    if snap["proxy"]["error"]:
+        proxy = snap["proxy"]["error"]
+        faults.append(f"the pool proxy's /metrics could not be read ({proxy}): shares and queues are stale")
+    for rid, r in snap["replicas"].items():
+        if not r["live"]:
+            faults.append(f"replica {rid} is registered but its heartbeat has not moved for {r['silent_s']:.0f} s")
+    for run_id, r in snap["runs"].items():
+        if r["state"] != "attached":
+            continue
+        if r["lease_left_s"] is not None and r["lease_left_s"] < -grace_s:
+            faults.append(
+                f"run {run_id}'s lease lapsed {-r['lease_left_s']:.0f} s ago and the proxy has not detached it: "
+                "is the pool's proxy running?"
+            )
+        versions = r["versions"]
+        newest = versions[-1] if versions else None
+        if r["last_load_failed"]:
+            v = max(versions, key=lambda x: x["failed_at"] or 0)
+            why = "; ".join(f"{rep}: {reason}" for rep, reason in sorted(v["failed"].items()))
+            faults.append(f"run {run_id}: loading {v['lora_name']} failed ({why})")
+        elif newest and newest["pushed_at"] and newest["loaded_at"] is None and now - newest["pushed_at"] > grace_s:
+            faults.append(
+                f"run {run_id}: {newest['lora_name']} was committed {now - newest['pushed_at']:.0f} s ago and is "
+                "not live on every replica"
+            )
+        p95 = r["sync"]["p95_s"]
+        if p95 is not None and p95 > P95_LIMIT_S:
+            faults.append(f"run {run_id}: p95 commit → loaded on every replica {p95:.2f} s > {P95_LIMIT_S:g} s")
+        elif p95 is not None:
+            notes.append(f"{run_id} p95 {p95:.2f} s")
+    attached = [r for r in snap["runs"].values() if r["state"] == "attached"]
+    slots = snap["slots"]
+    held = f"{slots['used']} of {slots['total']}" if slots["total"] is not None else f"{slots['used']}"
+    summary = f"{len(attached)} runs attached, {held} adapter slots held"
+    if notes:
+        summary += f"; commit → loaded on every replica, last {WINDOW} versions: " + ", ".join(notes)
+    if faults:
+        return Health("fault", faults[0], faults, [summary])
+    if not attached:
+        return Health("waiting", "no run is attached to this pool", faults, notes)
+    return Health("ok", summary, faults, notes)

@@ -1,18 +1,21 @@
-"""The command: `brigade dashboard --bucket URL [--port P]`."""
+"""The command: `brigade dashboard --bucket URL [--port P]`, or `--pool URL [--proxy-url URL]` for a shared pool."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from bucket import layout, pool
 from bucket.config import BucketConfig, ConfigError, open_bucket
-from bucket.store import BucketError
+from bucket.store import BucketError, Store
 from jobkit.entry import setup_logging
 from jobkit.settings import add_flags, config_model, load
 
 DESCRIPTION = (
     "Serve a web page of a run, live from its bucket (read access only): sync latency per version, stage and "
-    "replica, reward, ratio, clip fractions, staleness, tokens/s, replicas, recent completions, a health banner."
+    "replica, reward, ratio, clip fractions, staleness, tokens/s, replicas, recent completions, a health banner. "
+    "With --pool: a shared pool's runs side by side (share of tokens served vs weight, queue, sync latency, "
+    "versions live)."
 )
 _Tables = config_model("DashboardConfig", {"bucket": BucketConfig})
 
@@ -33,6 +36,24 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     g.add_argument("--out", metavar="FILE", help="Write the page once to FILE (a snapshot, no server) and exit.")
     g.add_argument("--terminal", action="store_true", help="Show the dashboard in this terminal instead of serving it.")
+    g.add_argument(
+        "--pool",
+        metavar="URL",
+        help="A shared pool's bucket (`brigade pool init`) instead of a run's: its runs side by side (docs/pool.md).",
+    )
+    g.add_argument(
+        "--proxy-url",
+        metavar="URL",
+        default="",
+        help="With --pool: the pool proxy's address (http://host:8100), whose /metrics (no token) give each run's "
+        "tokens served and requests waiting.",
+    )
+    g.add_argument(
+        "--share-window-s",
+        type=float,
+        default=60.0,
+        help="With --proxy-url: the shares of tokens served are over this many seconds of the dashboard's scrapes.",
+    )
     add_flags(parser, _Tables, only={"bucket": ["url"]})
     return parser
 
@@ -42,8 +63,14 @@ def main(argv: list[str] | None = None, prog: str = "brigade dashboard") -> int:
     setup_logging(args.log_level or "INFO")
     from infra.dashboard import page, server
 
+    if args.pool:
+        return _pool(args, prog)
+    if args.proxy_url:
+        print(f"{prog}: error: --proxy-url goes with --pool (a run's page reads its bucket only)", file=sys.stderr)
+        return 2
     try:
         store = open_bucket(load(_Tables, args).bucket)
+        _not_a_pool(store)
         dashboard = server.Dashboard(store, args.refresh_s, args.completions, args.replica_timeout_s)
         if args.terminal:
             from infra.dashboard.terminal import watch
@@ -53,6 +80,49 @@ def main(argv: list[str] | None = None, prog: str = "brigade dashboard") -> int:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(page.page(dashboard.data, 0))
+            print(f"brigade dashboard: wrote {args.out}")
+            return 0
+        server.serve(dashboard, args.host, args.port)
+    except (ConfigError, BucketError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _not_a_pool(store: Store) -> None:
+    """A pool's bucket given as a run's: say which flag reads it (a run's page of it would be empty)."""
+    if store.exists(pool.POOL_MANIFEST) and not store.exists(layout.RUN_MANIFEST):
+        raise BucketError(f"{store.url} is a shared pool's bucket, not a run's: use --pool {store.url}")
+
+
+def _pool(args: argparse.Namespace, prog: str) -> int:
+    from infra.dashboard import pool_page, server
+    from infra.dashboard.pool_data import PoolData
+
+    if args.bucket or getattr(args, "bucket.url", None):
+        print(f"{prog}: error: give --bucket (a run) or --pool (a pool), not both", file=sys.stderr)
+        return 2
+    if args.terminal:
+        print(
+            f"{prog}: error: --terminal shows a run; for a pool, serve the page or use `brigade pool status`",
+            file=sys.stderr,
+        )
+        return 2
+    if args.proxy_url and not args.proxy_url.startswith(("http://", "https://")):
+        print(f"{prog}: error: --proxy-url {args.proxy_url!r} needs its scheme, e.g. http://host:8100", file=sys.stderr)
+        return 2
+    try:
+        store = open_bucket(BucketConfig(url=args.pool))
+        if store.exists(layout.RUN_MANIFEST) and not store.exists(pool.POOL_MANIFEST):
+            raise BucketError(f"{store.url} is a run's bucket, not a shared pool's: use --bucket {store.url}")
+        pool.read_pool(store)  # a bucket that is no pool: say how to make one, and serve nothing
+        data = PoolData(store, args.proxy_url, args.replica_timeout_s, args.share_window_s)
+        dashboard = server.PoolDashboard(data, args.refresh_s)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(pool_page.page(data, 0))
             print(f"brigade dashboard: wrote {args.out}")
             return 0
         server.serve(dashboard, args.host, args.port)
