@@ -84,6 +84,7 @@ class PoolAccess:
         self._by_hash: dict[str, str] = dict(self._admin)
         self._read_at = -math.inf
         self._reading: asyncio.Task[None] | None = None
+        self._run_read_at: dict[str, float] = {}  # when each run's own token file was last read on demand
 
     # -- tokens ---------------------------------------------------------------------------------
     def _tokens(self) -> dict[str, str]:
@@ -146,8 +147,30 @@ class PoolAccess:
                 )
         return who
 
+    async def _read_run(self, authorization: bytes | str | None, run_id: str) -> None:
+        """Read `run_id`'s own token file when the token is not known yet: a run that attaches just after it was
+        given its token must not wait for the next reading of all of tokens/ (rate-limited, and one read of
+        one small object here, at most every refresh_s per run)."""
+        token = bearer(authorization)
+        if token is None or self.known(authorization) is not None:
+            return
+        now = time.monotonic()
+        if now - self._run_read_at.get(run_id, -math.inf) < self.refresh_s:
+            return
+        if len(self._run_read_at) > 4096:  # bounded: names sent by clients
+            self._run_read_at.clear()
+        self._run_read_at[run_id] = now
+        try:
+            stored = await asyncio.to_thread(pool.read_token, self.store, run_id)
+        except (pool.BadRunId, OSError) as exc:
+            log.debug("no token file for run %r: %s", run_id, exc)
+            return
+        if pool.token_matches(stored, token):
+            self._by_hash = {**self._by_hash, pool.token_sha256(token): run_id}
+
     async def for_run(self, authorization: bytes | str | None, run_id: str) -> str | Denied:
         """The caller when it may act on `run_id` (its own token, or the admin's), else why not."""
+        await self._read_run(authorization, run_id)
         who = await self.caller(authorization)
         if isinstance(who, Denied) or who in (ADMIN, run_id):
             return who

@@ -191,11 +191,13 @@ def test_tokens_admit_their_own_run_only(local_store, monkeypatch):
             assert (await client.delete("/pool/runs/a", headers=tokens["b"])).status_code == 403
             bad_id = await attach(client, "../x", ADMIN)
             assert bad_id.status_code in (400, 404)  # never a folder outside runs/
-            # A token made after the proxy started works: the proxy reads tokens/ again for one it does not know,
-            # at most every pool_token_refresh_s (the unknown token above just made it read).
-            late = auth(pool.new_token(store, "late"))
-            await asyncio.sleep(0.3)
+            # Tokens made after the proxy started work at once, two in a row: attaching, the proxy reads the token
+            # file of the run named (the unknown token above just used up the reading of all of tokens/).
+            late, later = auth(pool.new_token(store, "late")), auth(pool.new_token(store, "later"))
             assert (await attach(client, "late", late, max_staleness=0)).status_code == 201
+            assert (await attach(client, "later", later, max_staleness=0)).status_code == 201
+            # ...and the run's token then works for its generations too (the same dict)
+            assert (await client.put("/pool/runs/later/lease", headers=later)).status_code == 200
             assert (await attach(client, "b", ADMIN, max_staleness=0)).status_code == 201  # the admin: any run
 
     asyncio.run(body())
