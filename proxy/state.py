@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from bucket.manifest import RunManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
+from proxy.adapter_locks import AdapterLocks
 from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
 from proxy.metrics import ProxyMetrics
@@ -22,7 +23,8 @@ class ProxyState:
 
     Invariant: every adapter in `loaded` is loaded on every replica in
     `routable`. Loads, unloads and joins change one or the other, so they hold
-    `adapter_lock`.
+    `adapter_locks` (a load or unload its run's lock, a join all of them:
+    adapter_locks.py).
     """
 
     config: ProxyConfig
@@ -43,7 +45,7 @@ class ProxyState:
     using: dict[str, int] = field(default_factory=dict)
     used_at: dict[str, float] = field(default_factory=dict)
     paused_query: str | None = None  # set while paused, so joiners are paused too
-    adapter_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    adapter_locks: AdapterLocks = field(default_factory=AdapterLocks)
     # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the
     # replicas run in vLLM's dev mode), set again by /resume, a failed load, or the pause lease running out.
     dispatching: asyncio.Event = field(default_factory=asyncio.Event)

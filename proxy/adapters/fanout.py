@@ -144,7 +144,7 @@ class AdapterFanout:
         """Load a committed version on every routable replica, all or nothing (the lifecycle's loads come here
         directly; a client's come through `load_adapter`). `received`: monotonic, `started_at`: wall clock."""
         state = self.state
-        async with state.adapter_lock:
+        async with state.adapter_locks.run(ad.pool_run):  # a pool's runs load side by side
             known = state.loaded.get(ad.lora_name)
             if known is not None and known.version != ad.version:
                 return error_response(
@@ -332,7 +332,10 @@ class AdapterFanout:
 
     async def unload(self, name: str) -> Response:
         """Unload `name` from every routable replica and forget it (joiners do not get it again)."""
-        async with self.state.adapter_lock:
+        known = self.state.loaded.get(name)
+        # A name not loaded (yet) may be mid-load under any run's lock: such a rare unload waits for them all.
+        locks = self.state.adapter_locks
+        async with locks.run(known.pool_run) if known is not None else locks.every():
             targets = list(self.state.routable.values())
             results = list(await asyncio.gather(*(self.upstream.unload_on(r, name) for r in targets)))
             # Forgotten even if a replica did not answer: joiners must not get it again, and a retried

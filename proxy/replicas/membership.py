@@ -303,7 +303,7 @@ class Membership:
                 )
                 self._retry_join_later(rid)
                 return
-            async with state.adapter_lock:
+            async with state.adapter_locks.every():
                 if not await self._give_loaded_adapters(info):
                     self._retry_join_later(rid)
                     return
