@@ -59,6 +59,14 @@ class LocalConfig(BaseModel):
         description="The jobs are stopped this long before max_wall_s (at most half of it), so that stopping them "
         "and writing the summary fit within max_wall_s.",
     )
+    runs: int = Field(
+        1,
+        ge=1,
+        description="Training runs to start: 1 = one run with its own proxy and replicas; N > 1 = N runs (seeds "
+        "trainer.seed + i, rollout.seed + i), each with its own bucket, trainer and rollout worker, sharing one pool "
+        "(docs/pool.md): a proxy in pool mode and the replicas on a pool bucket of their own, all under one new "
+        "folder in runs_dir.",
+    )
     runs_dir: str = Field("runs", description="Where a new run's bucket and logs go when --bucket.url is not given.")
     s3_server: bool = Field(
         False,

@@ -16,10 +16,11 @@ def progress_display(store: Store) -> Progress | LiveView:
 
 
 class Progress:
-    """Prints what the jobs report to the bucket, reading only new events."""
+    """Prints what the jobs report to the bucket, reading only new events; each line after `prefix` (the run's
+    name when several runs print at once)."""
 
-    def __init__(self, store: Store):
-        self.store, self.cursors = store, {}
+    def __init__(self, store: Store, prefix: str = ""):
+        self.store, self.cursors, self.prefix = store, {}, prefix
 
     def close(self) -> None:
         pass  # every line is printed already
@@ -30,24 +31,23 @@ class Progress:
             self.cursors[rec.writer] = rec.seq
         for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
             if e["kind"] == events.TRAIN_STEP:
-                print(
+                self.say(
                     f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
-                    f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s",
-                    flush=True,
+                    f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s"
                 )
             elif e["kind"] == events.PUBLISHED:
-                print(f"  adapter v{e['version']} published at step {e['step']}", flush=True)
+                self.say(f"  adapter v{e['version']} published at step {e['step']}")
             elif e["kind"] == events.LOADED_ALL:
-                print(
-                    f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)",
-                    flush=True,
-                )
+                self.say(f"  adapter v{e['version']} loaded on every replica ({e.get('seconds', 0):.2f}s fan-out)")
             elif e["kind"] == events.EVAL:
-                print(_eval_line(e), flush=True)
+                self.say(_eval_line(e))
             elif e["kind"] == events.CURRICULUM:
-                print(f"  curriculum: training prompts now at level {e['level']}", flush=True)
+                self.say(f"  curriculum: training prompts now at level {e['level']}")
             elif e["kind"] == events.LOAD_FAILED:
-                print(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}", flush=True)
+                self.say(f"  adapter v{e.get('version')} load FAILED: {json.dumps(e.get('failed', ''))[:300]}")
+
+    def say(self, line: str) -> None:
+        print(self.prefix + line, flush=True)
 
 
 def _eval_line(e: dict) -> str:
