@@ -102,7 +102,8 @@ def summarize(store: Store) -> dict[str, Any]:
                 "version": v,
                 "step": pub.get("step"),
                 "lora_name": pub.get("lora_name"),
-                "replicas_loaded": sorted(loaded_on.get(v, set())),
+                # a pool run's bucket has no per-replica loads: its rollout worker's event names the replicas
+                "replicas_loaded": sorted(loaded_on.get(v) or (done or {}).get("replica_ids") or []),
                 # committed (trainer's clock) -> loaded on every replica (proxy's clock); one clock in `brigade local`
                 "commit_to_all_loaded_s": (done["ts"] - pub["committed_at"]) if done else None,
                 # the fan-out alone, on the proxy's clock

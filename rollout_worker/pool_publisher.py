@@ -165,6 +165,8 @@ class Publisher:
         }
         if isinstance(answer.get("replicas"), int):
             fields["replicas"] = answer["replicas"]
+        if isinstance(answer.get("replica_ids"), list):
+            fields["replica_ids"] = [str(r) for r in answer["replica_ids"]]
         if isinstance(committed_at, int | float):
             fields["committed_at"] = committed_at
             fields["commit_to_live_s"] = round(live_at - committed_at, 4)  # trainer's clock -> this worker's

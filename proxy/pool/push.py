@@ -212,5 +212,7 @@ class AdapterPush:
                 "version": int(version),
                 "seconds": round(time.monotonic() - received, 4),
                 "replicas": len(self.state.routable),
+                # which ones: the run's summary lists them per version (its bucket has no per-replica load events)
+                "replica_ids": sorted(self.state.routable),
             }
         )

@@ -39,6 +39,7 @@ def test_a_pushed_version_is_committed_then_live_on_every_replica(local_store, m
             assert resp.status_code == 200, resp.text
             answer = resp.json()
             assert answer["lora_name"] == "a-v000001" and answer["version"] == 1 and answer["seconds"] >= 0
+            assert answer["replicas"] == 2 and answer["replica_ids"] == ["r0", "r1"]
             assert proxy.loaded["a-v000001"].pool_run == "a"
             # listed for the replicas' mirrors under the run (version numbers repeat across runs)
             await until(lambda: live_json.read_live_runs(store) == {"a": [1]}, "proxy/live.json listing a's v1")

@@ -156,7 +156,8 @@ class FakePool:
                     return 422, {"detail": f"{name} missing or not as in the marker"}
             self.committed[(run, version)] = marker
             self.live.setdefault(run, set()).add(version)
-            return 200, {"lora_name": Version(version).lora_name(run), "version": version, "seconds": 0.01}
+            answer = {"lora_name": Version(version).lora_name(run), "version": version, "seconds": 0.01}
+            return 200, {**answer, "replicas": 2, "replica_ids": ["r0", "r1"]}
         return 404, {"detail": "no route"}
 
     def seen(self, method: str, prefix: str = "") -> list[tuple[str, str, str, int]]:
@@ -253,6 +254,7 @@ def test_worker_attaches_pushes_committed_versions_in_order_generates_with_its_t
     assert sorted(loaded) == [1, 2] and all(e["pool"] and e["commit_to_live_s"] >= 0 for e in loaded.values())
     summary = summarize(store)
     assert [v["commit_to_all_loaded_s"] is not None for v in summary["versions"]] == [True, True]
+    assert [v["replicas_loaded"] for v in summary["versions"]] == [["r0", "r1"], ["r0", "r1"]]
     assert summary["sync_p50_s"] is not None
 
 
