@@ -31,7 +31,11 @@ past the last whole block), `group_split` (groups served by more than one
 replica), `affinity` / `unmatched` / `spill` (the router's decisions),
 `max_over_mean_load` (most requests on one replica / mean per replica), and
 the same for 2, 4 and 16 replicas under `by_replicas` (and `spread`);
-`n_per_group` runs one n=8 request per group instead. `baselines` runs round
+`n_per_group` runs one n=8 request per group instead. `runs_interleaved`
+replays `--runs` (3) runs' traces interleaved group by group, each under its
+own adapter names, as a shared pool serves them (docs/pool.md), at 2, 4 and
+16 replicas, both arrival patterns, with each figure's prefill against the
+single run's (`prefill_vs_single_run`; goal within 2 %). `baselines` runs round
 robin and a sticky oracle (each group on the replica with the fewest requests
 in flight when it starts, never moved) on the same trace.
 """
@@ -175,7 +179,12 @@ class StickyOracle:
 
 
 def simulate(
-    policy_name: str, n_replicas: int, args: argparse.Namespace, n_per_group: bool = False, arrival: str = "together"
+    policy_name: str,
+    n_replicas: int,
+    args: argparse.Namespace,
+    n_per_group: bool = False,
+    arrival: str = "together",
+    runs: int = 1,
 ) -> dict[str, Any]:
     rng = random.Random(args.seed)
     arrivals = random.Random(args.seed + 1)  # spread positions: the trace itself stays the same
@@ -212,8 +221,12 @@ def simulate(
         nonlocal started, ideal
         g = started
         started += 1
-        version = 1 + (g * G) // args.version_every
-        name = Version(version).lora_name("run")
+        # `runs` > 1: a shared pool's traffic, the runs' groups interleaved one by one, each run under its own
+        # adapter names (its own KV namespace: vLLM keys its prefix cache by adapter) moving to a new version
+        # every `version_every` of its own rollouts.
+        run, nth = g % runs, g // runs
+        version = 1 + (nth * G) // args.version_every
+        name = Version(version).lora_name(f"run{run}" if runs > 1 else "run")
         tokens = TEMPLATE + [rng.randrange(300, 49000) for _ in range(rng.randint(40, 200))]
         lengths = [max(16, min(3000, int(rng.lognormvariate(0, 1) * 300))) for _ in range(G)]
         blocks = kv_hashes(tokens, name, args.kv_block)
@@ -295,6 +308,7 @@ def main() -> None:
     ap.add_argument("--kv-block", type=int, default=16, help="the replicas' KV block size (GPU vLLM: 16, CPU: 32)")
     ap.add_argument("--kv-blocks", type=int, default=20_000, help="KV blocks per replica")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--runs", type=int, default=3, help="runs interleaved in `runs_interleaved` (a shared pool)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     result: dict[str, Any] = {"replicas": args.replicas, "rollouts": args.rollouts, "seed": args.seed}
@@ -302,6 +316,16 @@ def main() -> None:
     result["by_replicas"] = {n: simulate("brigade", n, args) for n in (2, 4, 16)}
     result["spread"] = {n: simulate("brigade", n, args, arrival="spread") for n in (2, 4, 16)}
     result["n_per_group"] = simulate("brigade", args.replicas, args, n_per_group=True)
+    # A shared pool (issue 20): `--runs` runs' traces interleaved; goal: prefill within 2 % of one run's.
+    pooled = {}
+    for n in (2, 4, 16):
+        for arrival, single in (("together", result["by_replicas"][n]), ("spread", result["spread"][n])):
+            figures = simulate("brigade", n, args, arrival=arrival, runs=args.runs)
+            figures["prefill_vs_single_run"] = round(figures["prefill_vs_ideal"] / single["prefill_vs_ideal"], 4)
+            pooled[f"{n}" if arrival == "together" else f"{n}_spread"] = figures
+    worst = round(max(abs(f["prefill_vs_single_run"] - 1) for f in pooled.values()), 4)
+    result["runs_interleaved"] = {"runs": args.runs, "by_replicas": pooled, "worst_prefill_vs_single_run": worst}
+    result["runs_interleaved"]["goal_within_2pct"] = worst <= 0.02
     if not args.no_baselines:
         result["baselines"] = {p: simulate(p, args.replicas, args) for p in ("round_robin", "sticky_oracle")}
     result["kv_block"] = args.kv_block
