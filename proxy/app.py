@@ -228,8 +228,21 @@ class Proxy:
     async def broadcast(self, path: str, query: str) -> Response:
         return await self.forwarder.broadcast(path, query)
 
-    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None) -> Any:
-        return await self.forwarder.forward(method, path, query, body, content_type)
+    async def forward(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        body: bytes,
+        content_type: str | None,
+        authorization: str | None = None,
+    ) -> Any:
+        def passed() -> Any:
+            return self.forwarder.forward(method, path, query, body, content_type)
+
+        if self.pool is not None:  # a pool's token is needed, and a run sees only its own adapters' names
+            return await self.pool.passed_through(authorization, path, passed)
+        return await passed()
 
     def live_adapters(self) -> dict[str, Any]:
         return self.lifecycle.live()

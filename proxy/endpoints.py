@@ -29,7 +29,15 @@ class ProxyApi(Protocol):
     def pool_mode(self) -> bool: ...
     def health(self) -> tuple[bool, str]: ...
     def authorized(self, authorization: str | None) -> bool: ...
-    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None) -> Any: ...
+    async def forward(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        body: bytes,
+        content_type: str | None,
+        authorization: str | None = None,
+    ) -> Any: ...
     async def load_adapter(self, body: Any, authorization: str | None = None) -> Response: ...
     async def unload_adapter(self, body: Any, authorization: str | None = None) -> Response: ...
     async def broadcast(self, path: str, query: str) -> Response: ...
@@ -80,7 +88,10 @@ def handlers_for(proxy: ProxyApi) -> dict[str, Handler]:
 
     async def forward(request: Request, path: str) -> Response:
         body = await request.body()
-        return await proxy.forward(request.method, path, request.url.query, body, request.headers.get("content-type"))
+        headers = request.headers
+        return await proxy.forward(
+            request.method, path, request.url.query, body, headers.get("content-type"), headers.get("authorization")
+        )
 
     async def load(request: Request, path: str) -> Response:
         return await proxy.load_adapter(await _json_body(request), request.headers.get("authorization"))

@@ -8,6 +8,7 @@ own names, from its own folder adapters/<run_id>/), and what `GET /live_adapters
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from bucket.version import BadVersion, Version
 from proxy.adapters.fanout import AdapterFanout
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
-from proxy.pool.access import ADMIN, TOKENS_REREAD_S, Denied, PoolAccess, run_of
+from proxy.pool.access import ADMIN, TOKENS_REREAD_S, Denied, PoolAccess, owns, run_of
 from proxy.pool.push import AdapterPush
 from proxy.pool.runs import PoolRuns
 from proxy.replicas.upstream import Upstream
@@ -183,6 +184,25 @@ class Pool:
         if refused is not None:
             return refused.response()
         return await self.fanout.unload(name)
+
+    async def passed_through(self, authorization: str | None, path: str, forward: Callable[[], Awaitable[Any]]) -> Any:
+        """/v1/models, /tokenize, /detokenize in a pool: a token is needed (the pool's replicas are for its runs),
+        and a run sees in /v1/models only the base model and its own adapters (another run's names say what it
+        trains and how far it is)."""
+        who = await self.access.caller(authorization)
+        if isinstance(who, Denied):
+            return who.response()
+        resp = await forward()
+        if path != "/v1/models" or who == ADMIN or getattr(resp, "status_code", 0) != 200:
+            return resp
+        try:
+            listing = json.loads(resp.body)
+            listing["data"] = [
+                m for m in listing["data"] if m.get("id") == self.access.base_model or owns(who, str(m.get("id")))
+            ]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return resp  # not vLLM's listing: passed on as it came
+        return JSONResponse(listing)
 
     async def live(self, authorization: str | None) -> Response:
         """A run's token: that run's live versions; the admin's: every admitted run's, under `runs`."""

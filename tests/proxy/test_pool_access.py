@@ -77,6 +77,16 @@ def test_a_runs_token_names_only_the_base_model_and_its_own_adapters(local_store
                 ok = await client.post("/v1/completions", json=completion(model), headers=tokens["b"])
                 assert ok.status_code == 200, ok.text
             assert (await client.get("/live_adapters")).status_code == 401
+            # The listing of models: a token is needed, and a run sees the base model and its own adapters only
+            # (another run's names say what it trains and how far it is); the admin sees them all.
+            assert (await client.get("/v1/models")).status_code == 401
+            assert (await client.post("/tokenize", json={"model": "base", "prompt": "ab"})).status_code == 401
+            listed = await client.get("/v1/models", headers=tokens["b"])
+            assert [m["id"] for m in listed.json()["data"]] == ["base", "b-v000001"], listed.text
+            listed = await client.get("/v1/models", headers=ADMIN)
+            assert sorted(m["id"] for m in listed.json()["data"]) == ["a-v000001", "b-v000001", "base"]
+            tok = await client.post("/tokenize", json={"model": "base", "prompt": "ab"}, headers=tokens["b"])
+            assert tok.status_code == 200, tok.text
 
     asyncio.run(body())
 
