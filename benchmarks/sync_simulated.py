@@ -44,7 +44,7 @@ from bucket.manifest import RunSpec, init_or_check
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 
-CONTROL_SEQS = 16  # = the proxy's canary_positions: one probe's prompts run at once beside full generation
+CONTROL_SEQS = 16  # = the replicas' default control_seqs: a probe's prompts run at once beside full generation
 LOAD_S = 0.04  # vLLM's answer to /v1/load_lora_adapter for a rank-1 adapter already on disk
 GAP_S = 1.0  # between a version's adapter_loaded_all and the next commit: the load moves to the new one
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57]

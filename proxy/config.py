@@ -186,10 +186,12 @@ class ProxyConfig(BaseModel):
         "none waited in the proxy for a slot.",
     )
     canary_positions: int = Field(
-        16,
+        8,
         ge=1,
-        description="Served-policy probe: canary positions asked first, those where the version departs most from "
-        "the base (each is one prompt's prefill on the replica, asked under the version and under the base).",
+        description="Served-policy probe: canary positions asked first, those that tell the version from the base "
+        "best per prefill token (each is one prompt's prefill on the replica; 8 cost ~280 prompt tokens per "
+        "replica and version, 16 cost ~600: every version pays it on every replica, several runs' versions on a "
+        "shared pool).",
     )
     canary_max_positions: int = Field(
         64,

@@ -42,9 +42,9 @@ class ReplicaConfig(BaseModel):
         16,
         ge=0,
         description="Sequences vLLM runs beyond max_num_seqs, taken only by the proxy's control requests: the "
-        "canary probe after each load asks this many prompts at a time (proxy.canary_positions, 16, in one go) "
-        "and never waits behind generation. Each lives for one step (a prefill and one token). Only with "
-        "max_num_seqs set.",
+        "canary probe after each load asks at most this many prompts at a time (proxy.canary_positions, 8, then "
+        "8, 16, 32 more while undecided) and never waits behind generation. Each lives for one step (a prefill "
+        "and one token). Only with max_num_seqs set.",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (--tensor-parallel-size; GPU only).")
     cpu_threads: str = Field(

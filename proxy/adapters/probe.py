@@ -134,10 +134,17 @@ def _next_token_logprobs(resp: httpx.Response, expected: list[int]) -> list[floa
 
 
 def ranked_positions(canary: Canary) -> list[int]:
-    """The canary's completion positions, those where the version departs most from the base first: they tell
-    it from the base best, and on a CPU replica every probed position costs a prompt's prefill."""
-    gap = [abs(a - b) for a, b in zip(canary.adapter_logprobs, canary.base_logprobs)]
-    return sorted(range(len(gap)), key=lambda j: -gap[j])
+    """The canary's completion positions, those that tell the version from the base best per prefill token first.
+
+    Position j costs the replica a prefill of the canary's prompt plus j completion tokens (a probe is a batch of
+    those prompts, run as one step beside live generation), and tells the version from the base in proportion
+    to its squared departure from the base (the shift's standard error is noise / sqrt(sum of those)). Ranking
+    by that ratio asks the most telling positions for the fewest prefill tokens. Measured on the default canary with
+    random adapters (B std 0.01 and 0.04, two seeds each): the first 8 cost 254-305 prompt tokens and hold
+    78-82 % of all 52 positions' sum, the 16 farthest from the base 593-643 tokens and 95 %."""
+    n = len(canary.prompt_ids)
+    worth = [(a - b) ** 2 / (n + j) for j, (a, b) in enumerate(zip(canary.adapter_logprobs, canary.base_logprobs))]
+    return sorted(range(len(worth)), key=lambda j: -worth[j])
 
 
 def probe_batches(positions: list[int], at_once: int) -> list[list[int]]:

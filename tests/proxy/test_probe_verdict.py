@@ -18,7 +18,7 @@ from proxy.config import ProxyConfig
 from proxy.lora_paths import AdapterRef
 
 REF = AdapterRef("run-v000004", Version(4))
-POSITIONS = 16  # the proxy's default canary_positions
+POSITIONS = 8  # the proxy's default canary_positions
 
 
 def _draw(
@@ -39,20 +39,29 @@ def _rates(cfg: ProxyConfig, gap: float, share: float, noise: float, n: int = PO
 
 
 def test_a_float32_replica_decides_from_a_tiny_gap():
-    """A float32 CPU replica: versions 0.004 per token from the base are told from the base both ways (the default
-    canary_min_gap admits those closer than 0.01 unjudged, for bf16 replicas' sake)."""
+    """A float32 CPU replica: versions 0.006 per token from the base are told from the base both ways at the first
+    8 positions, 0.004 at 16 (the default canary_min_gap admits those closer than 0.01 unjudged, for bf16
+    replicas' sake)."""
     cfg = ProxyConfig(canary_min_gap=0.002)
-    assert _rates(cfg, gap=0.004, share=1.0, noise=0.0002).get("pass", 0) == 1.0
-    assert _rates(cfg, gap=0.004, share=0.0, noise=0.0002).get("base_weights", 0) == 1.0
+    assert _rates(cfg, gap=0.006, share=1.0, noise=0.0002).get("pass", 0) == 1.0
+    assert _rates(cfg, gap=0.006, share=0.0, noise=0.0002).get("base_weights", 0) == 1.0
+    assert _rates(cfg, gap=0.004, share=1.0, noise=0.0002, n=16).get("pass", 0) == 1.0
+    assert _rates(cfg, gap=0.004, share=0.0, noise=0.0002, n=16).get("base_weights", 0) == 1.0
 
 
 def test_a_bf16_replica_far_from_the_base_is_decided_both_ways():
+    """At the default 8 positions a bf16 replica is often undecided (it is never wrong): the probe then widens to
+    16, 32, 64 positions, each one more request to that replica; a float32 CPU replica decides at the first."""
     cfg = ProxyConfig()
-    at16 = _rates(cfg, gap=0.15, share=0.6, noise=0.05)
-    assert at16.get("pass", 0) >= 0.9 and "base_weights" not in at16, at16  # the rest widens to more positions
+    first = _rates(cfg, gap=0.15, share=0.6, noise=0.05)
+    assert first.get("pass", 0) >= 0.6 and "base_weights" not in first, first  # the rest widens
+    at16 = _rates(cfg, gap=0.15, share=0.6, noise=0.05, n=16)
+    assert at16.get("pass", 0) >= 0.9 and "base_weights" not in at16, at16
     assert _rates(cfg, gap=0.15, share=0.6, noise=0.05, n=64).get("pass", 0) >= 0.99
     as_base = _rates(cfg, gap=0.15, share=0.0, noise=0.05)
-    assert as_base.get("base_weights", 0) >= 0.7 and "pass" not in as_base, as_base
+    assert as_base.get("base_weights", 0) >= 0.45 and "pass" not in as_base, as_base
+    as_base16 = _rates(cfg, gap=0.15, share=0.0, noise=0.05, n=16)
+    assert as_base16.get("base_weights", 0) >= 0.7 and "pass" not in as_base16, as_base16
     assert _rates(cfg, gap=0.15, share=0.0, noise=0.05, n=64).get("base_weights", 0) >= 0.99
     assert _rates(cfg, gap=0.3, share=0.0, noise=0.01).get("base_weights", 0) == 1.0
 
