@@ -22,6 +22,7 @@ from benchmarks.sync_simulated import _prctl
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import read_shards
 from bucket.store import Store
+from jobkit.processes import stop_process
 
 WORKER = "bench-worker"
 
@@ -66,18 +67,7 @@ def _wait_or_stop(proc: subprocess.Popen, timeout_s: float) -> None:
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen | None, timeout_s: float = 30) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        stop_process(proc)
 
 
 async def _serving(url: str) -> int:
@@ -167,7 +157,7 @@ class Bench:
         """The worker (on the trainer's done marker), then the proxy, then the replicas."""
         self.trainer.halt.set()
         await self.worker_done()
-        await asyncio.to_thread(_stop, self.proxy)
+        await asyncio.to_thread(stop_process, self.proxy)
         await self.fleet.close()
 
     async def worker_done(self) -> None:

@@ -39,6 +39,7 @@ from benchmarks.report import with_cpu  # noqa: E402
 from bucket import Store  # noqa: E402
 from bucket.manifest import RunSpec, init_or_check  # noqa: E402
 from bucket.replicas import ReplicaInfo, list_replicas  # noqa: E402
+from jobkit.processes import stop_processes  # noqa: E402
 
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57]
 TEMPLATE = TEMPLATE + [36, 3, 17]  # 23 tokens
@@ -152,13 +153,7 @@ def main() -> None:
             rr = measure(infos, lambda: asyncio.run(send_trace(urls, rr_prompts, manifest.base_model, args)))
             px = measure(infos, lambda: asyncio.run(through_proxy(store, manifest, px_prompts, args)))
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs, 60)
     rr_ideal, px_ideal = ideal(rr_prompts, block, args.group_size), ideal(px_prompts, block, args.group_size)
     result = {
         "kv_block": block,

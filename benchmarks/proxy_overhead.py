@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 from typing import Any
 
 import psutil
+
+from jobkit.processes import stop_process
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run as a file too, like the other benchmarks: its parts are sibling modules
@@ -93,16 +94,6 @@ def _wait_http(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None
             pass
         time.sleep(0.1)
     raise TimeoutError(f"nothing healthy on port {port} after {timeout_s}s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _loadgen_proc(targets: list[int], args: argparse.Namespace, cores: set[int] | None) -> dict[str, Any]:
@@ -176,7 +167,7 @@ def measure(kind: str, upstream_ports: list[int], args: argparse.Namespace, core
             cpu = _cpu_seconds(proc.pid) - cpu0
             wall = time.perf_counter() - t0
         finally:
-            _stop(proc)
+            stop_process(proc, 15)
     # The proxy's CPU over the whole load-generator run (warm-up included), per request sent in it.
     sent = args.requests + args.warmup
     return {**res, "cpu_ms_per_request": 1000 * cpu / sent, "proxy_cpu_util": cpu / wall}
@@ -248,7 +239,7 @@ def main() -> None:
             runs[kind] = measure(kind, ports, args, cores)
             print(f"# {kind}: {json.dumps(runs[kind])}", file=sys.stderr, flush=True)
     finally:
-        _stop(up)
+        stop_process(up, 15)
     main_kind = "brigade" if "brigade" in runs else next(iter(runs))
     m = runs[main_kind]
     result = {

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from bucket.store import Store
 from bucket.tokenizer_id import fingerprint
 from infra.prepare_model import prepare_model
 from infra.s3server import free_port
+from jobkit.processes import stop_process
 from jobkit.settings import default_model_dir
 from rollout_worker.config import RolloutConfig
 
@@ -50,16 +50,6 @@ def _spawn(args: list[str], log_path: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
     )
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class IdleSampler:
@@ -122,7 +112,7 @@ def measure(shape: str, store: Store, proxy_url: str, urls: list[str], args: arg
             time.sleep(args.seconds)
         end = time.time()
     finally:
-        _stop(worker)
+        stop_process(worker, 60)
     window = [g for g in groups() if start <= g.generated_at <= end]
     tokens = sum(len(s.completion_ids) for g in window for s in g.samples)
     return {"tok_s": round(tokens / (end - start), 1), "groups": len(window), "idle_fraction": sampler.fraction}
@@ -177,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             by_shape = {shape: measure(shape, store, proxy_url, urls, args, logs) for shape in ("n_group", "n_1")}
         finally:
             for proc in reversed(procs):
-                _stop(proc)
+                stop_process(proc, 60)
     default = RolloutConfig().generation_shape
     result: dict[str, Any] = {"benchmark": "rollout", "seconds": args.seconds}
     for shape, r in by_shape.items():

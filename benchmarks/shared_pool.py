@@ -42,7 +42,7 @@ from typing import Any
 
 from benchmarks import shared_pool_figures as fig
 from benchmarks.report import with_cpu
-from benchmarks.shared_pool_parts import BenchRun, Pool, versions_in, wait_live
+from benchmarks.shared_pool_parts import BenchRun, Pool, cpu_seconds, versions_in, wait_live
 from bucket import events
 from bucket.manifest import RunSpec
 from bucket.pool import live_window
@@ -71,7 +71,7 @@ def phase(pool: Pool, members: list[BenchRun], label: str, seconds: float, args:
     text = pool.metrics()
     before = fig.per_run_counter(text, fig.SERVED_TOKENS)
     before_req = fig.per_run_counter(text, fig.SERVED_REQUESTS)
-    t0 = time.time()
+    t0, cpu0 = time.time(), cpu_seconds(pool, members)
     waiting: dict[str, list[float]] = {n: [] for n in names}
     while time.time() < t0 + seconds:
         time.sleep(min(5.0, max(0.0, t0 + seconds - time.time())))
@@ -82,7 +82,7 @@ def phase(pool: Pool, members: list[BenchRun], label: str, seconds: float, args:
             if r.worker.poll() is not None:
                 raise RuntimeError(f"run {r.name}'s worker exited during the {label} phase:\n{r.worker_log()}")
     text = pool.metrics()
-    t1 = time.time()
+    t1, cpu1 = time.time(), cpu_seconds(pool, members)
     tokens = {n: v for n, v in fig.deltas(before, fig.per_run_counter(text, fig.SERVED_TOKENS)).items() if n in names}
     requests = fig.deltas(before_req, fig.per_run_counter(text, fig.SERVED_REQUESTS))
     refusal = try_fourth(pool, fourth) if fourth is not None else None  # while the three hold their slots
@@ -99,6 +99,8 @@ def phase(pool: Pool, members: list[BenchRun], label: str, seconds: float, args:
         not_live[r.name] = sorted(window - r.live_versions())
     worker_rc = {r.name: r.stop_worker() for r in members}
     out: dict[str, Any] = {"seconds": round(t1 - t0, 2), "tokens": tokens, "worker_rc": worker_rc}
+    # cores each part kept busy in the window: on a 2-core host the runs' own workers compete with the replicas
+    out["cores_used"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / (t1 - t0), 2) for k in cpu1}
     out["tokens_per_s"] = {n: tokens.get(n, 0.0) / (t1 - t0) for n in names}
     out["requests"] = {n: requests.get(n, 0.0) for n in names}
     out["min_waiting_requests"] = {n: min(v) if v else None for n, v in waiting.items()}
@@ -186,6 +188,7 @@ def summarise(shared: dict[str, Any], alone: dict[str, dict[str, Any]], runs: li
     result["versions_not_live"] = {"shared": shared["not_live"], **{f"alone-{n}": alone[n]["not_live"] for n in names}}
     result["worker_rc"] = {"shared": shared["worker_rc"], **{f"alone-{n}": alone[n]["worker_rc"][n] for n in names}}
     result["seconds"] = {"shared": shared["seconds"], **{f"alone-{n}": alone[n]["seconds"] for n in names}}
+    result["cores_used"] = {"shared": shared["cores_used"], **{f"alone-{n}": alone[n]["cores_used"] for n in names}}
     return result
 
 

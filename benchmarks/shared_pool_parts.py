@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks.probe_margin import make_adapter
 from benchmarks.proxy_overhead import free_port
@@ -29,6 +30,7 @@ from bucket.canary import canary_meta
 from bucket.manifest import RunManifest, RunSpec
 from bucket.rollouts import read_shards
 from bucket.store import Store
+from jobkit.processes import stop_process
 
 log = logging.getLogger("brigade.bench")
 
@@ -46,18 +48,6 @@ def _spawn(tmp: str, name: str, argv: list[str], env: dict[str, str] | None = No
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> int | None:
-    """SIGTERM (a worker then detaches its run), SIGKILL after `timeout_s`; the exit status."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def tail(tmp: str, name: str, chars: int = 1500) -> str:
@@ -134,7 +124,7 @@ class Pool:
 
     def stop(self) -> None:
         for p in reversed(self.procs):  # the proxy first: nothing new reaches the replicas while they stop
-            stop_process(p)
+            stop_process(p, 60)
 
 
 class SimTrainer(threading.Thread):
@@ -223,7 +213,7 @@ class BenchRun:
                 raise RuntimeError(f"run {self.name}'s simulated trainer failed: {self.trainer.error!r}")
 
     def stop_worker(self) -> int | None:
-        rc = stop_process(self.worker) if self.worker is not None else None
+        rc = stop_process(self.worker, 60) if self.worker is not None else None
         self.worker = None
         return rc
 
@@ -252,6 +242,33 @@ class BenchRun:
             if shard.shard is not None and (worker_id is None or shard.shard.worker == worker_id):
                 groups.extend(shard.shard.groups)
         return groups
+
+
+def cpu_seconds(pool_: Pool, members: list[BenchRun]) -> dict[str, float]:
+    """CPU seconds used so far by each part: the replicas (sidecars, vLLM servers and engines), the proxy, the
+    runs' rollout workers, and this process (the simulated trainers and the benchmark's own reads)."""
+    parts = {"replicas": pool_.procs[:-1], "proxy": pool_.procs[-1:], "workers": [r.worker for r in members]}
+    out = {}
+    for name, procs in parts.items():
+        total = 0.0
+        for proc in procs:
+            if proc is None:
+                continue
+            try:
+                tree = [psutil.Process(proc.pid)]
+                tree += tree[0].children(recursive=True)
+            except psutil.Error:  # it ended: its CPU is no longer readable
+                continue
+            for p in tree:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+        out[name] = total
+    own = psutil.Process().cpu_times()
+    out["benchmark"] = own.user + own.system
+    return out
 
 
 def wait_live(run: BenchRun, versions: set[int], timeout_s: float) -> bool:

@@ -35,6 +35,7 @@ from bucket import adapters, events, priority, replicas
 from bucket.canary import MARKER_FIELD as CANARY_FIELD
 from bucket.manifest import RunSpec, init_or_check
 from bucket.store import Store
+from jobkit.processes import stop_processes
 from jobkit.settings import default_model_dir
 
 B_STD = 0.02  # far enough from the base for the probe to decide in one pass (benchmarks/probe_margin.py)
@@ -96,14 +97,7 @@ class Bench:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs, 60)
 
     def adapter(self, i: int) -> tuple[dict[str, bytes], dict[str, Any]]:
         """Files and canary of a distinct real adapter (made once per index)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from bucket.config import ConfigError
 from bucket.store import Store
+from jobkit.processes import stop_process
 
 # moto accepts any credentials; the jobs need some, or botocore's chain stops at "no credentials".
 LOOPBACK_CREDENTIALS = {
@@ -72,13 +73,7 @@ class LoopbackS3:
         return {**LOOPBACK_CREDENTIALS, "BRIGADE_S3_ENDPOINT_URL": self.endpoint}
 
     def stop(self, timeout_s: float = 10) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
 
 def start_loopback_s3(log_path: str, port: int = 0, timeout_s: float = 30) -> LoopbackS3:

@@ -22,6 +22,7 @@ import httpx
 from bucket import Store, adapters
 from bucket.manifest import RunSpec
 from jobkit.cpu import cpu_class
+from jobkit.processes import stop_process
 
 if TYPE_CHECKING:
     from proxy.app import Proxy
@@ -64,13 +65,7 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc, timeout_s)
 
 
 def new_s3_bucket(endpoint: str) -> str:

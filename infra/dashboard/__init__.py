@@ -1,6 +1,7 @@
 """`brigade dashboard`: a web page of a run, live from its bucket (read access is all it needs).
 
   data.py    what the page shows, read incrementally from the bucket (events, shards, checkpoints, registry)
+  heartbeats.py  the replica registry and whose heartbeat moved, on this clock (both pages)
   health.py  the banner: is every version reaching every live replica fast, and if not who or what is at fault
   svg.py     charts as inline SVG drawn on the server: the page fetches nothing from anywhere
   page.py    the HTML

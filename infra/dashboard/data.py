@@ -16,12 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bucket import checkpoints, events, layout, replicas
+from bucket import checkpoints, events, layout
 from bucket.checkpoints import TrainerState
 from bucket.progress import TrainerDone, read_done
 from bucket.replicas import ReplicaInfo
 from bucket.rollouts import read_shards
 from bucket.store import NotFound, Store
+from infra.dashboard.heartbeats import Heartbeats
 from infra.summary import run_figures
 from infra.timeline import VERSION_KINDS, Timeline, VersionSync
 
@@ -118,7 +119,7 @@ class RunData:
         self.lineage: list[TrainerState] = []
         # replica registry, liveness judged on this process's clock (like the proxy does)
         self.registry: dict[str, ReplicaInfo] = {}
-        self._beats: dict[str, tuple[int, float]] = {}
+        self.heartbeats = Heartbeats()
         self.refreshed_at: float | None = None  # wall clock, for the page
         self._published: list[VersionSync] | None = None  # derived once per refresh
         self.error = ""
@@ -226,12 +227,7 @@ class RunData:
         self.lineage = chain[::-1]
 
     def _read_registry(self) -> None:
-        now = time.monotonic()
-        infos = {r.replica_id: r for r in replicas.list_replicas(self.store)}
-        for rid, info in infos.items():
-            beat, since = self._beats.get(rid, (None, now))
-            self._beats[rid] = (info.beat, now if beat != info.beat else since)
-        self.registry = infos
+        self.registry = self.heartbeats.read(self.store)
 
     # -- views -------------------------------------------------------------------------------------------
     def published(self) -> list[VersionSync]:
@@ -246,7 +242,7 @@ class RunData:
         out = []
         for rid in sorted(ids):
             info = self.registry.get(rid)
-            silent = now - self._beats[rid][1] if info is not None and rid in self._beats else 0.0
+            silent = self.heartbeats.silent_s(rid, now) if info is not None else 0.0
             out.append(
                 ReplicaView(
                     rid,

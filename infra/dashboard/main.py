@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from bucket import layout, pool
 from bucket.config import BucketConfig, ConfigError, open_bucket
-from bucket.store import BucketError, Store
+from bucket.store import BucketError
 from jobkit.entry import setup_logging
 from jobkit.settings import add_flags, config_model, load
+
+if TYPE_CHECKING:
+    from infra.dashboard import server
 
 DESCRIPTION = (
     "Serve a web page of a run, live from its bucket (read access only): sync latency per version, stage and "
@@ -61,28 +66,37 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "brigade dashboard") -> int:
     args = build_parser(prog).parse_args(argv)
     setup_logging(args.log_level or "INFO")
-    from infra.dashboard import page, server
-
     if args.pool:
-        return _pool(args, prog)
+        return _show(args, prog, _pool_page, _pool_usage_error(args))
     if args.proxy_url:
-        print(f"{prog}: error: --proxy-url goes with --pool (a run's page reads its bucket only)", file=sys.stderr)
+        return _show(args, prog, _run_page, "--proxy-url goes with --pool (a run's page reads its bucket only)")
+    return _show(args, prog, _run_page)
+
+
+Page = tuple[Callable[[], str], "server.Served"]  # a snapshot's renderer, and what serves the page live
+
+
+def _show(
+    args: argparse.Namespace, prog: str, open_page: Callable[[argparse.Namespace], Page | None], usage: str = ""
+) -> int:
+    """Open the page (None: it was shown in the terminal), then write it once with --out or serve it; a usage
+    error, a bucket that cannot be read or a port that cannot be bound is exit status 2 with what was wrong."""
+    from infra.dashboard import server
+
+    if usage:
+        print(f"{prog}: error: {usage}", file=sys.stderr)
         return 2
     try:
-        store = open_bucket(load(_Tables, args).bucket)
-        _not_a_pool(store)
-        dashboard = server.Dashboard(store, args.refresh_s, args.completions, args.replica_timeout_s)
-        if args.terminal:
-            from infra.dashboard.terminal import watch
-
-            watch(dashboard.data, args.refresh_s)
+        opened = open_page(args)
+        if opened is None:
             return 0
+        snapshot, live = opened
         if args.out:
             with open(args.out, "w") as f:
-                f.write(page.page(dashboard.data, 0))
+                f.write(snapshot())
             print(f"brigade dashboard: wrote {args.out}")
             return 0
-        server.serve(dashboard, args.host, args.port)
+        server.serve(live, args.host, args.port)
     except (ConfigError, BucketError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -91,44 +105,39 @@ def main(argv: list[str] | None = None, prog: str = "brigade dashboard") -> int:
     return 0
 
 
-def _not_a_pool(store: Store) -> None:
-    """A pool's bucket given as a run's: say which flag reads it (a run's page of it would be empty)."""
+def _run_page(args: argparse.Namespace) -> Page | None:
+    from infra.dashboard import page, server
+
+    store = open_bucket(load(_Tables, args).bucket)
     if store.exists(pool.POOL_MANIFEST) and not store.exists(layout.RUN_MANIFEST):
+        # a run's page of a pool's bucket would be empty: say which flag reads it
         raise BucketError(f"{store.url} is a shared pool's bucket, not a run's: use --pool {store.url}")
+    dashboard = server.Dashboard(store, args.refresh_s, args.completions, args.replica_timeout_s)
+    if args.terminal:
+        from infra.dashboard.terminal import watch
+
+        watch(dashboard.data, args.refresh_s)
+        return None
+    return lambda: page.page(dashboard.data, 0), dashboard
 
 
-def _pool(args: argparse.Namespace, prog: str) -> int:
+def _pool_usage_error(args: argparse.Namespace) -> str:
+    if args.bucket or getattr(args, "bucket.url", None):
+        return "give --bucket (a run) or --pool (a pool), not both"
+    if args.terminal:
+        return "--terminal shows a run; for a pool, serve the page or use `brigade pool status`"
+    if args.proxy_url and not args.proxy_url.startswith(("http://", "https://")):
+        return f"--proxy-url {args.proxy_url!r} needs its scheme, e.g. http://host:8100"
+    return ""
+
+
+def _pool_page(args: argparse.Namespace) -> Page:
     from infra.dashboard import pool_page, server
     from infra.dashboard.pool_data import PoolData
 
-    if args.bucket or getattr(args, "bucket.url", None):
-        print(f"{prog}: error: give --bucket (a run) or --pool (a pool), not both", file=sys.stderr)
-        return 2
-    if args.terminal:
-        print(
-            f"{prog}: error: --terminal shows a run; for a pool, serve the page or use `brigade pool status`",
-            file=sys.stderr,
-        )
-        return 2
-    if args.proxy_url and not args.proxy_url.startswith(("http://", "https://")):
-        print(f"{prog}: error: --proxy-url {args.proxy_url!r} needs its scheme, e.g. http://host:8100", file=sys.stderr)
-        return 2
-    try:
-        store = open_bucket(BucketConfig(url=args.pool))
-        if store.exists(layout.RUN_MANIFEST) and not store.exists(pool.POOL_MANIFEST):
-            raise BucketError(f"{store.url} is a run's bucket, not a shared pool's: use --bucket {store.url}")
-        pool.read_pool(store)  # a bucket that is no pool: say how to make one, and serve nothing
-        data = PoolData(store, args.proxy_url, args.replica_timeout_s, args.share_window_s)
-        dashboard = server.PoolDashboard(data, args.refresh_s)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(pool_page.page(data, 0))
-            print(f"brigade dashboard: wrote {args.out}")
-            return 0
-        server.serve(dashboard, args.host, args.port)
-    except (ConfigError, BucketError, OSError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    store = open_bucket(BucketConfig(url=args.pool))
+    if store.exists(layout.RUN_MANIFEST) and not store.exists(pool.POOL_MANIFEST):
+        raise BucketError(f"{store.url} is a run's bucket, not a shared pool's: use --bucket {store.url}")
+    pool.read_pool(store)  # a bucket that is no pool: say how to make one, and serve nothing
+    data = PoolData(store, args.proxy_url, args.replica_timeout_s, args.share_window_s)
+    return lambda: pool_page.page(data, 0), server.PoolDashboard(data, args.refresh_s)

@@ -32,13 +32,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bucket import adapters, appendlog, events, layout, pool, replicas
+from bucket import adapters, appendlog, events, layout, pool
 from bucket.live import LiveVersions
 from bucket.pool import AttachedRun, PoolManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import NotFound, Store
 from infra.dashboard.data import percentile
 from infra.dashboard.health import WINDOW
+from infra.dashboard.heartbeats import Heartbeats
 
 log = logging.getLogger("brigade.dashboard")
 
@@ -124,7 +125,7 @@ class PoolData:
         self.latest: dict[str, int | None] = {}  # each admitted run's newest version committed in the pool
         self.live: dict[str, list[int]] | None = None  # proxy/live.json's runs; None: not written yet
         self.registry: dict[str, ReplicaInfo] = {}
-        self._beats: dict[str, tuple[int, float]] = {}  # replica -> (beat, when it last moved, monotonic)
+        self.heartbeats = Heartbeats()
         self.cursors: dict[str, int] = {}
         self.versions: dict[tuple[str, int], PoolVersion] = {}
         self.run_events: list[dict[str, Any]] = []  # admissions, refusals, detaches, by ts
@@ -203,12 +204,7 @@ class PoolData:
                 v.unloaded_at = ts
 
     def _read_registry(self) -> None:
-        now = time.monotonic()
-        infos = {r.replica_id: r for r in replicas.list_replicas(self.store)}
-        for rid, info in infos.items():
-            beat, since = self._beats.get(rid, (None, now))
-            self._beats[rid] = (info.beat, now if beat != info.beat else since)
-        self.registry = infos
+        self.registry = self.heartbeats.read(self.store)
 
     def _scrape(self) -> None:
         url = f"{self.proxy_url}/metrics"
@@ -345,8 +341,8 @@ class PoolData:
                     "url": info.url,
                     "max_loras": info.max_loras,
                     "draining": info.draining,
-                    "silent_s": round(time.monotonic() - self._beats[rid][1], 1),
-                    "live": time.monotonic() - self._beats[rid][1] <= self.replica_timeout_s,
+                    "silent_s": round(self.heartbeats.silent_s(rid), 1),
+                    "live": self.heartbeats.silent_s(rid) <= self.replica_timeout_s,
                 }
                 for rid, info in sorted(self.registry.items())
             },

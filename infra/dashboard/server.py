@@ -26,15 +26,51 @@ log = logging.getLogger("brigade.dashboard")
 FINISHED_REFRESH_S = 30.0  # a finished run is re-read now and then: it may be resumed
 
 
-class Dashboard:
-    """The run's data, refreshed by a background thread; requests render from it under one lock."""
+class _Live:
+    """Data refreshed by a background thread (`loop`) every `interval()` seconds; requests render from it under
+    one lock, and a page that fails to render is a 500, not a dead server."""
 
-    def __init__(self, store: Store, refresh_s: float = 2.0, recent: int = 30, replica_timeout_s: float = 15.0):
-        self.data = RunData(store, recent=recent, replica_timeout_s=replica_timeout_s)
+    def __init__(self, data: RunData | PoolData, refresh_s: float) -> None:
         self.refresh_s = refresh_s
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self._data = data
         self.refresh()
+
+    def interval(self) -> float:
+        return self.refresh_s
+
+    def refresh(self) -> None:
+        with self.lock:
+            self._data.refresh()
+
+    def loop(self) -> None:
+        while not self.stop.wait(self.interval()):
+            self.refresh()
+
+    def render(self, path: str) -> tuple[int, str, bytes]:
+        try:
+            with self.lock:
+                found = self._render(path)
+        except Exception as exc:  # an event or shard this code misreads must not take the server down
+            log.exception("could not render %s", path)
+            return 500, "text/plain; charset=utf-8", f"brigade dashboard could not render {path}: {exc!r}\n".encode()
+        if found is not None:
+            return found
+        if path == "/healthz":
+            return 200, "text/plain", b"ok\n"
+        return 404, "text/plain", b"not found\n"
+
+    def _render(self, path: str) -> tuple[int, str, bytes] | None:
+        raise NotImplementedError
+
+
+class Dashboard(_Live):
+    """A run's page."""
+
+    def __init__(self, store: Store, refresh_s: float = 2.0, recent: int = 30, replica_timeout_s: float = 15.0):
+        self.data = RunData(store, recent=recent, replica_timeout_s=replica_timeout_s)
+        super().__init__(self.data, refresh_s)
 
     def interval(self) -> float:
         """Seconds between reads: slower once the run has finished and no replica is registered any more."""
@@ -44,74 +80,43 @@ class Dashboard:
     def describe(self) -> str:
         return f"run in {self.data.store.url}"
 
-    def refresh(self) -> None:
-        with self.lock:
-            self.data.refresh()
-
-    def loop(self) -> None:
-        while not self.stop.wait(self.interval()):
-            self.refresh()
-
-    def render(self, path: str) -> tuple[int, str, bytes]:
-        return _guarded(self._render, path)
-
-    def _render(self, path: str) -> tuple[int, str, bytes]:
-        with self.lock:
-            d = self.data
-            if path in ("/", "/index.html"):
-                return 200, "text/html; charset=utf-8", page.page(d, self.interval()).encode()
-            if path == "/panels":
-                return 200, "text/html; charset=utf-8", page.panels(d).encode()
-            if path == "/api/summary":
-                return _json(d.summary())
-            if path == "/api/versions":
-                return _json([_version_json(v) for v in d.published()])
-            if path == "/api/health":
-                return _json(dataclasses.asdict(check(d)))
-            if path == "/healthz":
-                return 200, "text/plain", b"ok\n"
-        return 404, "text/plain", b"not found\n"
+    def _render(self, path: str) -> tuple[int, str, bytes] | None:
+        d = self.data
+        if path in ("/", "/index.html"):
+            return 200, "text/html; charset=utf-8", page.page(d, self.interval()).encode()
+        if path == "/panels":
+            return 200, "text/html; charset=utf-8", page.panels(d).encode()
+        if path == "/api/summary":
+            return _json(d.summary())
+        if path == "/api/versions":
+            return _json([_version_json(v) for v in d.published()])
+        if path == "/api/health":
+            return _json(dataclasses.asdict(check(d)))
+        return None
 
 
-class PoolDashboard:
-    """A pool's data (pool_data.py), refreshed by a background thread like `Dashboard`'s."""
+class PoolDashboard(_Live):
+    """A pool's page (pool_data.py)."""
 
     def __init__(self, data: PoolData, refresh_s: float = 2.0):
         self.data = data
-        self.refresh_s = refresh_s
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.refresh()
+        super().__init__(data, refresh_s)
 
     def describe(self) -> str:
         proxy = f", the proxy's /metrics at {self.data.proxy_url}" if self.data.proxy_url else ""
         return f"pool in {self.data.store.url}{proxy}"
 
-    def refresh(self) -> None:
-        with self.lock:
-            self.data.refresh()
-
-    def loop(self) -> None:
-        while not self.stop.wait(self.refresh_s):
-            self.refresh()
-
-    def render(self, path: str) -> tuple[int, str, bytes]:
-        return _guarded(self._render, path)
-
-    def _render(self, path: str) -> tuple[int, str, bytes]:
-        with self.lock:
-            d = self.data
-            if path in ("/", "/index.html"):
-                return 200, "text/html; charset=utf-8", pool_page.page(d, self.refresh_s).encode()
-            if path == "/panels":
-                return 200, "text/html; charset=utf-8", pool_page.panels(d).encode()
-            if path == "/api/pool":
-                return _json(d.snapshot())
-            if path == "/api/health":
-                return _json(dataclasses.asdict(check_pool(d.snapshot())))
-            if path == "/healthz":
-                return 200, "text/plain", b"ok\n"
-        return 404, "text/plain", b"not found\n"
+    def _render(self, path: str) -> tuple[int, str, bytes] | None:
+        d = self.data
+        if path in ("/", "/index.html"):
+            return 200, "text/html; charset=utf-8", pool_page.page(d, self.refresh_s).encode()
+        if path == "/panels":
+            return 200, "text/html; charset=utf-8", pool_page.panels(d).encode()
+        if path == "/api/pool":
+            return _json(d.snapshot())
+        if path == "/api/health":
+            return _json(dataclasses.asdict(check_pool(d.snapshot())))
+        return None
 
 
 class Served(Protocol):
@@ -120,14 +125,6 @@ class Served(Protocol):
     def describe(self) -> str: ...
     def loop(self) -> None: ...
     def render(self, path: str) -> tuple[int, str, bytes]: ...
-
-
-def _guarded(render: Any, path: str) -> tuple[int, str, bytes]:
-    try:
-        return render(path)
-    except Exception as exc:  # an event or shard this code misreads must not take the server down
-        log.exception("could not render %s", path)
-        return 500, "text/plain; charset=utf-8", f"brigade dashboard could not render {path}: {exc!r}\n".encode()
 
 
 def _version_json(v: VersionSync) -> dict[str, Any]:
