@@ -129,6 +129,7 @@ class Proxy:
             on_failure=self.membership.eject,  # a failure seen on the hot path ejects the replica at once
             gate=access.generation if access is not None else None,  # a pool's: whose token, naming what
             run_of=run_of_model if access is not None else None,  # a pool's: whose request, for fair sharing
+            retired=self._retired if access is not None else None,  # a pool's: versions past a run's window
         )
         self.fanout = AdapterFanout(
             self.state,
@@ -150,6 +151,9 @@ class Proxy:
             self.forwarder.set_weights(lambda run: runs[run].weight if run in runs else 1.0)
         self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
         self._snapshots: asyncio.Task | None = None
+
+    def _retired(self, model: str) -> str | None:
+        return self.pool.runs.retired(model) if self.pool is not None else None
 
     # -- shared state, read by tests and /server_info ----------------------------
     @property
@@ -359,6 +363,7 @@ class Proxy:
             "waiting": f.waiting,
             "retries": f.retries,
             "upstream_errors": f.upstream_errors,
+            "retired_requests": f.retired_requests,
             "broken_answers": f.broken_answers,
             "ejections": m.ejections,
             "readmissions": m.readmissions,

@@ -52,6 +52,13 @@ class _Live(ScrapeCollector):
             ),
             (CounterMetricFamily, "retries", "Generations sent again before any answer.", ["reason"], v["retries"]),
             (CounterMetricFamily, "upstream_errors", "Requests a replica failed.", ["replica"], v["upstream_errors"]),
+            (
+                CounterMetricFamily,
+                "run_retired_requests",
+                "Generations refused (409, nothing sent) for naming a version past their run's staleness window.",
+                ["run"],
+                v.get("retired_requests", {}),
+            ),
             (CounterMetricFamily, "replica_ejections", "Replicas ejected, by cause.", ["replica", "cause"], ejections),
             (
                 CounterMetricFamily,

@@ -32,8 +32,16 @@ RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 8.0
 
 
+RETIRED = "adapter_retired"  # a pool proxy's 409 `reason`: the version fell out of the run's staleness window
+
+
 class GenerationFailed(RuntimeError):
     """A completion that failed for good (or after every retry)."""
+
+
+class AdapterRetired(GenerationFailed):
+    """A pool's proxy did not generate with this version: it fell past the run's staleness window while the
+    request waited (its samples would not be trained on). The group is generated again with a live version."""
 
 
 class Generator:
@@ -76,9 +84,9 @@ class Generator:
                 raise GenerationFailed(f"asked for {n} completions in one request, got {len(samples)}")
             return samples
         results = await asyncio.gather(*(self.one_completion(model, ids) for _ in range(n)), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # any failure but a retired version first: that one is not worth generating the group again
+            raise next((r for r in failed if not isinstance(r, AdapterRetired)), failed[0])
         return list(results)  # type: ignore[arg-type]
 
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
@@ -112,6 +120,8 @@ class Generator:
                 if resp.status_code == 200:
                     return resp
                 problem, reason = f"HTTP {resp.status_code}: {resp.text[:300]}", f"http_{resp.status_code}"
+                if resp.status_code == 409 and _reason(resp) == RETIRED:
+                    raise AdapterRetired(f"{path}: {problem}")
                 if resp.status_code not in RETRY_STATUSES:
                     raise GenerationFailed(f"{path} failed ({problem})")
             if attempt == MAX_ATTEMPTS:
@@ -153,3 +163,11 @@ def _check_served(model: str, data: dict[str, Any]) -> dict[str, Any]:
 
 def _index(choice: dict[str, Any]) -> int:
     return int(choice.get("index", 0))
+
+
+def _reason(resp: httpx.Response) -> object:
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    return body.get("reason") if isinstance(body, dict) else None

@@ -35,11 +35,12 @@ from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.progress import read_done
 from bucket.rollouts import SamplingParams, ScoredGroup
 from bucket.store import Store
+from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
 from rollout_worker.eval_schedule import EvalSchedule
 from rollout_worker.evaluation import Evaluator
-from rollout_worker.generation import Generator
+from rollout_worker.generation import AdapterRetired, Generator
 from rollout_worker.live_adapter import LiveAdapter
 from rollout_worker.metrics import RolloutMetrics
 from rollout_worker.pool_client import ATTACH_RETRY_S, PoolSession, auth_headers, pool_token
@@ -52,6 +53,8 @@ from rollout_worker.shards import ShardOutput
 log = logging.getLogger("brigade.rollout")
 
 MAX_FAILURES_IN_A_ROW = 50
+RETIRED_ATTEMPTS = 8  # a group generated again with a newer version at most this many times (a pool's 409)
+RETIRED_WAIT_S = 30.0  # then with whatever is newest, if no newer version went live within this
 
 
 def dataset_extra(row: dict[str, Any]) -> dict[str, str | int | float]:
@@ -127,9 +130,19 @@ class Worker:
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
         """All `num_generations` completions of one prompt, with one adapter version, scored."""
         # The newest version the proxy serves; the proxy keeps it loaded while this group's requests name it.
-        model = self.adapters.model_name(self.adapters.version)
         text, ids = await self.generator.prompt_ids(row)
-        samples = await self.generator.completions(model, ids, self.manifest.num_generations)
+        for attempt in range(1, RETIRED_ATTEMPTS + 1):
+            model = self.adapters.model_name(self.adapters.version)
+            try:
+                samples = await self.generator.completions(model, ids, self.manifest.num_generations)
+                break
+            except AdapterRetired:
+                # A pool's proxy: the version fell past the staleness window while the group waited behind other
+                # runs' requests. Nothing was generated with it: the same prompt again, with a newer version.
+                if attempt == RETIRED_ATTEMPTS:
+                    raise
+                self.generator.retries["adapter_retired"] += 1
+                await self.adapters.wait_for(Version(self.adapters.version_of(model) + 1), RETIRED_WAIT_S)
         version = self.adapters.version_of(model)  # every answer said this model served it (generation.py)
         prompt = row["prompt"]
         scored = await self.scorer.score(

@@ -31,6 +31,7 @@ from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.pool.access import Denied
 from proxy.replicas.upstream import Upstream
+from proxy.serving.slots import run_of_model
 from proxy.state import ProxyState
 
 log = logging.getLogger("brigade.proxy")
@@ -208,6 +209,32 @@ class PoolRuns:
     # -- live versions ------------------------------------------------------------------------------
     def versions(self, run_id: str) -> dict[Version, AdapterRef]:
         return versions_of(self.state.loaded, run_id, pool_run=True)
+
+    def retired(self, model: str) -> str | None:
+        """Why a generation naming `model` is not sent to a replica any more (None: it may be): a version of
+        an admitted run older than that run's newest live one - max_staleness.
+
+        Its samples would be dropped by the run's trainer (older than max_staleness), and sending it would
+        keep the version in use on the replicas: a run whose requests wait long behind other runs' would
+        hold a dozen versions there (the shared_pool benchmark: up to 29 on one replica with --max-loras 10,
+        each version's LoRA evicted and read again by vLLM, a third of the pool's throughput lost). The
+        rollout worker generates the group again with a live version."""
+        run_id = run_of_model(model)
+        run = self.runs.get(run_id) if run_id else None
+        if run is None:
+            return None
+        live = self.versions(run_id)
+        if not live:
+            return None
+        low = max(live) - run.max_staleness
+        version = Version.parse(model, only="lora_name")
+        if version >= low:
+            return None
+        keep = ", ".join(ad.lora_name for v, ad in sorted(live.items()) if v >= low)
+        return (
+            f"{model} is past run {run_id}'s staleness window (max_staleness {run.max_staleness}; live: {keep}): "
+            "its samples would not be trained on, so it was not generated; generate with a live version"
+        )
 
     def live(self, run_id: str) -> dict[str, Any]:
         """One run's `GET /live_adapters` (the single-run answer's shape)."""

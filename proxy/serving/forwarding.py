@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import httpx
 from fastapi.responses import JSONResponse, Response
 
+from bucket import priority
 from bucket.replicas import ReplicaInfo
 from proxy.errors import error_body, error_response
 from proxy.lora_paths import error_message
@@ -36,6 +37,7 @@ from proxy.state import ProxyState
 log = logging.getLogger("brigade.proxy")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+RETIRED = "adapter_retired"  # the `reason` of a 409 for a version past its run's window: generate again with a live one
 
 
 class ClientSink(Protocol):
@@ -97,6 +99,7 @@ class Forwarder:
         weights: Callable[[str], float | None] | None = None,
         run_of: Callable[[str], str] | None = None,
         gate: Gate | None = None,
+        retired: Callable[[str], str | None] | None = None,
     ) -> None:
         self.state = state
         self.upstream = upstream
@@ -107,6 +110,10 @@ class Forwarder:
         self.fair = FairShare(weights)  # the runs' virtual times, shared by every replica's slots
         self.run_of = run_of
         self.gate = gate
+        # A pool's: why a generation naming a version is no longer sent (past its run's staleness window),
+        # asked on arrival and again when a slot frees, since newer versions go live while it waits.
+        self.retired = retired
+        self.retired_requests: dict[str, int] = {}  # run -> generations refused as retired
         self._lease: asyncio.TimerHandle | None = None
         self.waiting = 0
         self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
@@ -174,6 +181,8 @@ class Forwarder:
         model = payload["model"] if isinstance(payload.get("model"), str) else ""
         if run is None:
             run = self.run_of(model) if self.run_of is not None else ""
+        if self.retired is not None and self._refused_as_retired(payload, run, sink):
+            return
         state.hold(model)
         try:
             if slots.locked():
@@ -242,6 +251,12 @@ class Forwarder:
             except BaseException:
                 router.finish(decision)
                 raise
+            if self.retired is not None and self._refused_as_retired(payload, run, sink):
+                self.fair.refund(run, served)
+                rslot.release(sequences)
+                router.finish(decision)
+                release_global()
+                return
             sent_at = time.monotonic()
             info = state.routable.get(rid)  # read after any wait: it may have left or been ejected meanwhile
             try:
@@ -286,6 +301,19 @@ class Forwarder:
         sink.start(ex.status, headers, ex.length)
         sink.exchange = ex  # the sink cancels it if the client leaves
         ex.attach(sink, done)
+
+    def _refused_as_retired(self, payload: dict[str, Any], run: str, sink: ClientSink) -> bool:
+        """Answer 409 (nothing sent) if a training generation's version is past its run's staleness window.
+        Evaluations (a later priority) are of the version they name, however old: never refused."""
+        model, request_priority = payload.get("model"), payload.get("priority", priority.GENERATION)
+        if request_priority != priority.GENERATION or not isinstance(model, str) or self.retired is None:
+            return False
+        why = self.retired(model)
+        if why is None:
+            return False
+        self.retired_requests[run] = self.retired_requests.get(run, 0) + 1
+        sink.error(409, error_body(409, why, reason=RETIRED))
+        return True
 
     # -- everything else -----------------------------------------------------------------------
     def _least_loaded(self) -> tuple[str | None, ReplicaInfo | None]:
