@@ -45,7 +45,7 @@ sys.path.insert(0, REPO_ROOT)  # run as a file too, like the other benchmarks: i
 
 from benchmarks.loopback_peers import run_loadgen, serve_upstreams  # noqa: E402
 from benchmarks.proxy_candidates import serve_candidate  # noqa: E402
-from benchmarks.report import with_cpu  # noqa: E402
+from benchmarks.report import tree_cpu_seconds, with_cpu  # noqa: E402
 
 
 def free_port() -> int:
@@ -62,21 +62,6 @@ def _pin(pid: int, cores: set[int] | None) -> None:
                 p.cpu_affinity(sorted(cores))
             except (psutil.Error, OSError):
                 pass
-
-
-def _cpu_seconds(pid: int) -> float:
-    total = 0.0
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def _wait_http(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -161,10 +146,10 @@ def measure(kind: str, upstream_ports: list[int], args: argparse.Namespace, core
             _wait_http(port, proc)
             time.sleep(1.0)  # replicas join (static list: first health probes)
             _pin(proc.pid, cores["proxy"])
-            cpu0 = _cpu_seconds(proc.pid)
+            cpu0 = tree_cpu_seconds(proc.pid)
             t0 = time.perf_counter()
             res = _loadgen_proc([port], args, cores["client"])
-            cpu = _cpu_seconds(proc.pid) - cpu0
+            cpu = tree_cpu_seconds(proc.pid) - cpu0
             wall = time.perf_counter() - t0
         finally:
             stop_process(proc, 15)
@@ -230,10 +215,10 @@ def main() -> None:
     try:
         up.stdout.readline()
         _pin(up.pid, cores["client"])
-        cpu0 = _cpu_seconds(up.pid)
+        cpu0 = tree_cpu_seconds(up.pid)
         t0 = time.perf_counter()
         direct = _loadgen_proc(ports, args, cores["client"])
-        up_util = (_cpu_seconds(up.pid) - cpu0) / (time.perf_counter() - t0)
+        up_util = (tree_cpu_seconds(up.pid) - cpu0) / (time.perf_counter() - t0)
         runs = {}
         for kind in [c.strip() for c in args.candidates.split(",") if c.strip()]:
             runs[kind] = measure(kind, ports, args, cores)

@@ -9,9 +9,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import psutil
+
 from jobkit.cpu import cpu_info
 
 
 def with_cpu(result: dict[str, Any]) -> dict[str, Any]:
     """`result` with cpu_model, cpu_flags, cpu_class (and cores, cap) added; a key it already has is kept."""
     return {**result, **{k: v for k, v in cpu_info().items() if k not in result}}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid` and every process below it that still runs
+    (0 once it ended: a process that ended can no longer be read)."""
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total

@@ -25,6 +25,7 @@ import psutil
 
 from benchmarks.probe_margin import make_adapter
 from benchmarks.proxy_overhead import free_port
+from benchmarks.report import tree_cpu_seconds
 from bucket import adapters, events, layout, pool, replicas
 from bucket.canary import canary_meta
 from bucket.manifest import RunManifest, RunSpec
@@ -248,24 +249,7 @@ def cpu_seconds(pool_: Pool, members: list[BenchRun]) -> dict[str, float]:
     """CPU seconds used so far by each part: the replicas (sidecars, vLLM servers and engines), the proxy, the
     runs' rollout workers, and this process (the simulated trainers and the benchmark's own reads)."""
     parts = {"replicas": pool_.procs[:-1], "proxy": pool_.procs[-1:], "workers": [r.worker for r in members]}
-    out = {}
-    for name, procs in parts.items():
-        total = 0.0
-        for proc in procs:
-            if proc is None:
-                continue
-            try:
-                tree = [psutil.Process(proc.pid)]
-                tree += tree[0].children(recursive=True)
-            except psutil.Error:  # it ended: its CPU is no longer readable
-                continue
-            for p in tree:
-                try:
-                    t = p.cpu_times()
-                    total += t.user + t.system
-                except psutil.Error:
-                    pass
-        out[name] = total
+    out = {name: sum(tree_cpu_seconds(p.pid) for p in procs if p is not None) for name, procs in parts.items()}
     own = psutil.Process().cpu_times()
     out["benchmark"] = own.user + own.system
     return out
