@@ -30,6 +30,7 @@ from bucket import appendlog, events, layout
 from bucket.store import Store
 from infra.config import Config
 from infra.local import Job, launch_job, replica_job
+from infra.local_jobs import SECOND_SIGNAL_S
 
 log = logging.getLogger("brigade.chaos")
 
@@ -234,15 +235,16 @@ class Chaos:
                 self.start("replica", name, "rejoin after term")
 
     def stop_all(self) -> None:
-        """Stop every job: SIGTERM to all at once (replicas drain in parallel), then SIGKILL of whatever tree is
-        left (a vLLM whose sidecar did not stop it): nothing is left running."""
+        """Stop every job: SIGTERM to all at once, a second one to the replicas a moment later (with the proxy
+        and the workers going, they have nothing to drain: they deregister and stop their vLLM at once), then
+        SIGKILL of whatever tree is left (a vLLM whose sidecar did not stop it): nothing is left running."""
         running = [(name, job) for name, job in self.jobs.items() if job.running()]
         for _, job in running:
-            try:
-                assert job.proc is not None
-                os.killpg(job.proc.pid, signal.SIGTERM)
-            except OSError:
-                pass
+            job.terminate()
+        time.sleep(SECOND_SIGNAL_S)
+        for name, job in running:
+            if name.startswith("replica-"):
+                job.terminate()
         deadline = time.monotonic() + 60
         for name, job in running:
             assert job.proc is not None

@@ -101,6 +101,9 @@ def wait_drained(
         log.info("drained in %.1fs: the proxy has nothing more here and vLLM nothing running", result.seconds)
     elif outcome == "idle":
         log.info("drained in %.1fs: no proxy said anything; vLLM has nothing running or waiting", result.seconds)
+    elif outcome == "stopped" and server.alive() and server.requests(timeout_s=2.0) == 0:
+        # `brigade local` ending: the proxy and the workers stopped first, then a second signal
+        log.info("stopped after %.1fs of drain (a second signal); vLLM had nothing running", result.seconds)
     else:
         log.warning("drain ended after %.1fs (%s); requests still running are cut", result.seconds, outcome)
     return result
