@@ -54,20 +54,21 @@ def worker_argv(store_url: str, port: int, *flags: str) -> list[str]:
     ]
 
 
-def _check_metrics(m: dict[str, float], store, num_generations: int) -> None:
-    """The worker's /metrics while it runs: every name monitoring queries, counts that match its shards."""
+def _check_metrics(metrics_url: str, store, num_generations: int) -> None:
+    """The worker's /metrics while it runs: every name monitoring queries, counts that match its shards (read
+    before the scrape: the worker keeps writing, so a shard listed after it could hold groups it did not count)."""
+    shards = worker_shards(store)
+    m = scrape(metrics_url)
     assert not missing("brigade_rollout_", m), missing("brigade_rollout_", m)
-    written = sum(len(s.groups) for s in worker_shards(store))
+    written = sum(len(s.groups) for s in shards)
     assert m["brigade_rollout_groups_scored_total"] >= written >= 3
-    assert m["brigade_rollout_shards_written_total"] >= len(worker_shards(store))
+    assert m["brigade_rollout_shards_written_total"] >= len(shards)
     assert m["brigade_rollout_sample_reward_count"] == num_generations * m["brigade_rollout_groups_scored_total"]
     assert 0 <= m["brigade_rollout_sample_reward_sum"] <= m["brigade_rollout_sample_reward_count"]
     assert m["brigade_rollout_generated_tokens_total"] >= m["brigade_rollout_sample_reward_count"]  # >= 1 per sample
     assert 0 <= m["brigade_rollout_inflight_groups"] <= 2  # max_inflight_groups
     assert m["brigade_rollout_waiting_for_trainer"] == 0  # max_unconsumed_groups 0: never held back
-    assert m["brigade_rollout_adapter_version"] == max(
-        g.adapter_version for s in worker_shards(store) for g in s.groups
-    )
+    assert m["brigade_rollout_adapter_version"] == max(g.adapter_version for s in shards for g in s.groups)
 
 
 def _check_first_rollouts(store) -> None:
@@ -123,7 +124,7 @@ def test_scored_shards_and_nothing_lost_on_sigterm_and_a_restart_continues_the_d
             assert time.monotonic() < deadline, f"no shard within {first_shard_s:.0f} s"
             time.sleep(0.5)
         time.sleep(2)  # let more groups finish, so some are scored but not yet in a full shard
-        _check_metrics(scrape(f"http://127.0.0.1:{metrics_port}/metrics"), store, manifest.num_generations)
+        _check_metrics(f"http://127.0.0.1:{metrics_port}/metrics", store, manifest.num_generations)
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0, worker_log.read_text()[-3000:]
         _check_first_rollouts(store)
