@@ -37,6 +37,9 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a folder name and a
 # How many adapter versions a run may hold loaded at once beyond max_staleness + 1: the newest being loaded
 # while the oldest of the window is still in use by a group generating with it.
 WINDOW_MARGIN = 1
+# The `reason` of the pool proxy's 409 for a training generation naming a version past its run's staleness window
+# (one writer: the pool's proxy; one reader: the run's rollout worker, which generates again with a live version).
+ADAPTER_RETIRED = "adapter_retired"
 
 
 class BadRunId(ValueError):

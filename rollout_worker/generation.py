@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from bucket.pool import ADAPTER_RETIRED
 from bucket.rollouts import Sample, SamplingParams
 
 log = logging.getLogger("brigade.rollout")
@@ -30,9 +31,6 @@ RETRY_STATUSES = frozenset({500, 502, 503, 504})
 MAX_ATTEMPTS = 6
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 8.0
-
-
-RETIRED = "adapter_retired"  # a pool proxy's 409 `reason`: the version fell out of the run's staleness window
 
 
 class GenerationFailed(RuntimeError):
@@ -120,7 +118,7 @@ class Generator:
                 if resp.status_code == 200:
                     return resp
                 problem, reason = f"HTTP {resp.status_code}: {resp.text[:300]}", f"http_{resp.status_code}"
-                if resp.status_code == 409 and _reason(resp) == RETIRED:
+                if resp.status_code == 409 and _reason(resp) == ADAPTER_RETIRED:
                     raise AdapterRetired(f"{path}: {problem}")
                 if resp.status_code not in RETRY_STATUSES:
                     raise GenerationFailed(f"{path} failed ({problem})")

@@ -171,6 +171,12 @@ def live_answer(
     }
 
 
+def oldest_kept(live: dict[Version, AdapterRef], max_staleness: int) -> Version:
+    """The oldest of a run's live versions (non-empty) its rollouts may still be generated with: the newest -
+    max_staleness. Older ones are unloaded once idle (`unload_stale`) and, in a pool, not generated with."""
+    return Version(max(0, max(live) - max_staleness))  # a young run keeps every version it has
+
+
 async def unload_stale(
     state: ProxyState, fanout: AdapterFanout, live: dict[Version, AdapterRef], max_staleness: int
 ) -> None:
@@ -178,7 +184,7 @@ async def unload_stale(
     unload_idle_s (a group or an evaluation still generating with one keeps it)."""
     if not live:
         return
-    low = max(live) - max_staleness
+    low = oldest_kept(live, max_staleness)
     idle_s = state.config.unload_idle_s
     for version, ad in sorted(live.items()):
         if version >= low:

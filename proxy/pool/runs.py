@@ -26,7 +26,7 @@ from bucket.pool import AttachedRun, PoolManifest
 from bucket.replicas import ReplicaInfo
 from bucket.version import BadVersion, Version
 from proxy.adapters.fanout import AdapterFanout
-from proxy.adapters.lifecycle import live_answer, unload_stale, versions_of
+from proxy.adapters.lifecycle import live_answer, oldest_kept, unload_stale, versions_of
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.pool.access import Denied
@@ -226,7 +226,7 @@ class PoolRuns:
         live = self.versions(run_id)
         if not live:
             return None
-        low = max(live) - run.max_staleness
+        low = oldest_kept(live, run.max_staleness)
         version = Version.parse(model, only="lora_name")
         if version >= low:
             return None

@@ -25,6 +25,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response
 
 from bucket import priority
+from bucket.pool import ADAPTER_RETIRED
 from bucket.replicas import ReplicaInfo
 from proxy.errors import error_body, error_response
 from proxy.lora_paths import error_message
@@ -37,7 +38,6 @@ from proxy.state import ProxyState
 log = logging.getLogger("brigade.proxy")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-RETIRED = "adapter_retired"  # the `reason` of a 409 for a version past its run's window: generate again with a live one
 
 
 class ClientSink(Protocol):
@@ -312,7 +312,7 @@ class Forwarder:
         if why is None:
             return False
         self.retired_requests[run] = self.retired_requests.get(run, 0) + 1
-        sink.error(409, error_body(409, why, reason=RETIRED))
+        sink.error(409, error_body(409, why, reason=ADAPTER_RETIRED))
         return True
 
     # -- everything else -----------------------------------------------------------------------
