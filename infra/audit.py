@@ -78,8 +78,10 @@ def _loads(evs: list[dict[str, Any]], committed_at: dict[int, float]) -> dict[st
     }
 
 
-def _mixed(scored: dict[str, ScoredGroup], evs: list[dict[str, Any]], committed: set[int], group_size: int) -> int:
-    """Groups whose samples cannot all come from the one version the group names.
+def _mixed(
+    scored: dict[str, ScoredGroup], evs: list[dict[str, Any]], committed: set[int], group_size: int
+) -> list[dict[str, Any]]:
+    """Groups whose samples cannot all come from the one version the group names, each with what failed.
 
     A group is generated with one model name (its `adapter_version`); the bucket can check that claim: the
     version is the base (0) or committed, the group is whole, and every replica that served one of its samples
@@ -90,15 +92,27 @@ def _mixed(scored: dict[str, ScoredGroup], evs: list[dict[str, Any]], committed:
         if e["kind"] == events.LOADED:
             key = (e["version"], e["replica"])
             loaded[key] = min(loaded.get(key, e["ts"]), e["ts"])
-    bad = 0
-    for g in scored.values():
+    bad = []
+    for gid, g in scored.items():
         v = g.adapter_version
         whole = len(g.samples) == group_size
-        if v == 0:
-            bad += not whole
-            continue
-        served = all(loaded.get((v, s.replica), float("inf")) <= g.generated_at for s in g.samples)
-        bad += not (whole and v in committed and served)
+        unrecorded = (
+            []
+            if v == 0
+            else sorted({s.replica for s in g.samples if loaded.get((v, s.replica), float("inf")) > g.generated_at})
+        )
+        if not whole or unrecorded or (v != 0 and v not in committed):
+            bad.append(
+                {
+                    "group": gid,
+                    "version": v,
+                    "samples": len(g.samples),
+                    "committed": v == 0 or v in committed,
+                    # replicas that served a sample with no record of loading v before the group was written
+                    "replicas_without_load": unrecorded,
+                    "generated_at": g.generated_at,
+                }
+            )
     return bad
 
 
@@ -163,6 +177,7 @@ def audit(store: Store) -> dict[str, Any]:
     evs = events.read_all(store)
     group_size = read_manifest(store).num_generations
     joined = joins(evs)
+    mixed = _mixed(scored, evs, set(committed), group_size)
     # A version committed but never announced in adapters/LATEST.json: its trainer stopped between the two
     # writes (SIGTERM at the end of a run). Nobody loads it and the next trainer skips its number, so it is not
     # part of the run's lineage; it is reported, not counted against it.
@@ -173,7 +188,8 @@ def audit(store: Store) -> dict[str, Any]:
         "groups_unread": len(set(scored) - read),
         "shards_invalid": sum(1 for s in shards if s.shard is None),
         **_ledger(store, scored, read),
-        "groups_mixed_versions": _mixed(scored, evs, set(committed), group_size),
+        "groups_mixed_versions": len(mixed),
+        "mixed_groups": mixed[:10],  # the first few, with what failed
         **_loads(evs, committed),
         "lineage_matches_commits": [st.version for st in lineage] == sorted(v for v in committed if v <= announced),
         "versions_committed_unannounced": unannounced,

@@ -355,16 +355,21 @@ class Membership:
                     JOIN_RETRY_S,
                 )
                 return False
-            if res.newly:  # a replica that already had it (the proxy restarted) is no sync event
-                await self.events.emit(
-                    events.LOADED,
-                    version=ad.version,
-                    lora_name=ad.lora_name,
-                    replica=rid,
-                    seconds=round(res.done_at - t0, 4),
-                    attempts=res.attempts,
-                    late_join=True,
-                )
+            # Recorded even where the replica had it already: this proxy may never have recorded that load (it
+            # adopted the adapter after a restart that cut the fan-out short, or the replica was ejected after a
+            # load whose answer or probe failed), and without a record the bucket cannot show that every sample
+            # of a group came from a replica serving its version (the audit counted such groups as mixed). Late
+            # joins are never sync events.
+            await self.events.emit(
+                events.LOADED,
+                version=ad.version,
+                lora_name=ad.lora_name,
+                replica=rid,
+                seconds=round(res.done_at - t0, 4),
+                attempts=res.attempts,
+                already_loaded=not res.newly,
+                late_join=True,
+            )
         return True
 
     async def _adopt(self, info: ReplicaInfo) -> None:

@@ -35,7 +35,9 @@ def chaos(tmp_path_factory, model_dir):
 
 
 def test_every_invariant_holds_after_kills_and_faults(chaos):
-    assert {k: chaos[k] for k in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), chaos
+    # On failure: the groups that broke a rule (with which) and what the schedule did when, then the rest.
+    why = {k: chaos[k] for k in ("mixed_groups", "actions", "restarts", "joins")}
+    assert {k: chaos[k] for k in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), (why, chaos)
     assert chaos["lineage_matches_commits"], chaos
     assert chaos["s3_faults_injected"] > 0 and chaos["s3_faults"].get("timeout", 0) > 0, chaos["s3_faults"]
     assert chaos["groups_trained"] > 0 and chaos["versions_committed"] >= 3, chaos

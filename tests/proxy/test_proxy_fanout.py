@@ -721,6 +721,12 @@ def test_restarted_proxy_adopts_adapters_the_replicas_serve(run_store):
 
     run(body())
     assert fakes[1].loaded == {name: "/replica/adapters/v000005"}
+    # Each replica's serving of v5 is on record before its admission, the adopted one's too: the audit reads
+    # these to check that every sample of a group came from a replica holding its version.
+    evs = [e for e in events.read_all(store) if e["kind"] in (events.LOADED, events.REPLICA_ADMITTED)]
+    for rid, had in (("http://r0", True), ("http://r1", False)):
+        mine = [(e["kind"], e.get("already_loaded")) for e in evs if e.get("replica") == rid]
+        assert mine == [(events.LOADED, had), (events.REPLICA_ADMITTED, None)], evs
 
 
 # -- forwarding ---------------------------------------------------------------------
