@@ -121,6 +121,7 @@ class Proxy:
             on_removed=self.connections.forget,  # a replica that left or was ejected loses its connections
             after_join=self.prober.probe_joiner,  # a joiner gets traffic once it serves every loaded version
             loaded_changed=self.live.publish,
+            may_join=self._fits_pool,  # a pool's: a replica with fewer adapter slots than its runs hold stays out
         )
         self.forwarder = Forwarder(
             self.state,
@@ -151,6 +152,9 @@ class Proxy:
             self.forwarder.set_weights(lambda run: runs[run].weight if run in runs else 1.0)
         self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
         self._snapshots: asyncio.Task | None = None
+
+    def _fits_pool(self, info: ReplicaInfo) -> str | None:
+        return self.pool.runs.too_small(info) if self.pool is not None else None
 
     def _retired(self, model: str) -> str | None:
         return self.pool.runs.retired(model) if self.pool is not None else None

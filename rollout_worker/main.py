@@ -361,6 +361,7 @@ async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig
                     poll_s=settings.poll_s,
                     # a pool with no replica yet answers 503: wait for it as long as for the proxy's /health
                     attach_retry_s=max(ATTACH_RETRY_S, bucket.manifest_wait_s),
+                    worker=worker.worker_id,  # several workers of one run: the last one to leave detaches it
                 )
                 await pool.run(worker.run, Publisher(pool, worker.ev).run)
             else:

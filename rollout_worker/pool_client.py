@@ -4,7 +4,8 @@ With `rollout.pool_url` set, the worker generates on a pool (one proxy and its r
 instead of its run's own proxy. The pool never reads this run's bucket, so the worker does what the run's own
 proxy would: it asks the pool to admit the run (POST /pool/runs/{run}), keeps the admission alive
 (PUT .../lease every lease_s / 3), pushes every adapter version the trainer commits (pool_publisher.py), and
-detaches when it ends (DELETE /pool/runs/{run}). Every request to the pool, generation included, carries the
+detaches when it ends (DELETE /pool/runs/{run}). Each of these names the worker (`worker`): a run with several
+workers stays attached until the last of them leaves. Every request to the pool, generation included, carries the
 run's token (`Authorization: Bearer ...`, read from `rollout.pool_token_env`, never logged).
 
 A refusal (the pool serves another base model, its adapter slots are full, the token is unknown or another
@@ -81,6 +82,15 @@ def answer_text(resp: httpx.Response) -> str:
     return str(data)[:500]
 
 
+def _held_by(resp: httpx.Response) -> list[str]:
+    """The run's other workers still holding it, from a DELETE's answer (none: the run was detached)."""
+    try:
+        held = resp.json().get("held_by")
+    except (ValueError, AttributeError):
+        return []
+    return [str(w) for w in held] if isinstance(held, list) else []
+
+
 class PoolSession:
     """One run attached to one pool: its control requests, its lease, and (while it runs) its publisher."""
 
@@ -94,6 +104,7 @@ class PoolSession:
         weight: float = 1.0,
         poll_s: float = 0.5,
         attach_retry_s: float = ATTACH_RETRY_S,
+        worker: str = "",
     ) -> None:
         try:
             self.run_id = pool_contract.check_run_id(manifest.run_id)
@@ -106,6 +117,8 @@ class PoolSession:
         self.lease_s = DEFAULT_LEASE_S
         self.attachments = 0  # admissions so far: the publisher asks the pool again what is live after each one
         self.path = f"/pool/runs/{self.run_id}"
+        self.worker = worker  # this worker's id: the pool detaches the run when its last worker leaves
+        self.params = {"worker": worker} if worker else {}
 
     # -- admission -----------------------------------------------------------------------------------------
     async def attach(self) -> dict[str, Any]:
@@ -113,6 +126,8 @@ class PoolSession:
         refusal, at once; PoolUnavailable when the pool did not answer within `attach_retry_s`."""
         body = {"base_model": self.manifest.base_model, "max_staleness": self.manifest.max_staleness}
         body["weight"] = self.weight
+        if self.worker:
+            body["worker"] = self.worker
         deadline = time.monotonic() + self.attach_retry_s
         delay = RETRY_FIRST_S
         while True:
@@ -181,7 +196,7 @@ class PoolSession:
         while True:
             await asyncio.sleep(self.lease_s / 3)
             try:
-                resp = await self.client.put(f"{self.path}/lease")
+                resp = await self.client.put(f"{self.path}/lease", params=self.params)
             except httpx.TransportError as exc:
                 if not failing:  # once per outage: the renewal runs every few seconds
                     log.warning("renewing the pool lease failed (%s: %s); retrying", type(exc).__name__, exc)
@@ -204,7 +219,7 @@ class PoolSession:
     async def detach(self) -> None:
         """Leave the pool (its slots are freed at once); a pool that does not answer lets the lease lapse."""
         try:
-            resp = await self.client.delete(self.path, timeout=DETACH_TIMEOUT_S)
+            resp = await self.client.delete(self.path, params=self.params, timeout=DETACH_TIMEOUT_S)
         except httpx.HTTPError as exc:
             log.warning(
                 "could not detach from the pool (%s: %s): it detaches run %s once its lease lapses",
@@ -213,7 +228,10 @@ class PoolSession:
                 self.run_id,
             )
             return
-        if resp.status_code in (200, 404):
+        held_by = _held_by(resp) if resp.status_code == 200 else []
+        if held_by:
+            log.info("run %s stays attached to the pool for its other workers (%s)", self.run_id, ", ".join(held_by))
+        elif resp.status_code in (200, 404):
             log.info("run %s detached from the pool at %s", self.run_id, self.url)
         else:
             log.warning("detaching from the pool: HTTP %d %s", resp.status_code, answer_text(resp))

@@ -54,7 +54,7 @@ def pool_routes(p: Pool) -> list[tuple[str, str, Endpoint]]:
         run_id = await authorized(request)
         if isinstance(run_id, Denied):
             return run_id.response()
-        until = await p.runs.renew(run_id)
+        until = await p.runs.renew(run_id, request.query_params.get("worker", "")[:200])
         if until is None:
             return Denied(
                 404,
@@ -67,7 +67,7 @@ def pool_routes(p: Pool) -> list[tuple[str, str, Endpoint]]:
         run_id = await authorized(request)
         if isinstance(run_id, Denied):
             return run_id.response()
-        return JSONResponse(await p.runs.detach(run_id, "left"))
+        return JSONResponse(await p.runs.leave(run_id, request.query_params.get("worker", "")[:200]))
 
     async def put_file(request: Request) -> Response:
         run_id = await authorized(request)

@@ -4,7 +4,9 @@ Every replica of the pool must hold every admitted run's live window at once (a 
 of them or none: adapters/fanout.py), so the slots a pool has are the smallest `--max-loras` among its
 replicas, and a run needs `max_staleness + 2` of them (bucket.pool.live_window). A run is admitted only
 while the windows of all admitted runs fit; it keeps its slots while it renews its lease, and frees them
-when it detaches or its lease lapses (its adapters are unloaded everywhere).
+when it detaches or its lease lapses (its adapters are unloaded everywhere). A run with several rollout
+workers is held by each of them (they name themselves: `worker`): one worker leaving detaches nothing while
+another still holds a lease, so its generations keep their adapters; the last one leaving detaches the run.
 
 Admitted runs are written to runs/<run_id>.json in the pool's bucket. A restarted proxy reads them back,
 gives each a fresh lease (nobody could renew while it was down) and adopts the versions its replicas still
@@ -43,6 +45,7 @@ class Attach(BaseModel):
     base_model: str
     max_staleness: int = Field(ge=0)
     weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    worker: str = Field("", max_length=200)  # which of the run's rollout workers asks ("": it does not say)
 
 
 class PoolRuns:
@@ -56,6 +59,9 @@ class PoolRuns:
         self.runs: dict[str, AttachedRun] = {}
         self.latest: dict[str, Version] = {}  # each run's newest version committed in the pool's bucket
         self.loading: dict[str, Version] = {}  # a push being loaded, per run
+        # run -> its workers that named themselves -> when each one's lease ends (kept in memory: after a proxy
+        # restart the workers' next renewals name them again)
+        self.holders: dict[str, dict[str, float]] = {}
         self._writes = asyncio.Lock()  # runs/ writes, one at a time: a late lease write never outlives a detach
 
     @property
@@ -80,6 +86,20 @@ class PoolRuns:
             503,
             f"the pool's {len(infos)} replicas do not say their --max-loras (static replica_urls): set "
             "proxy.pool_max_loras to the --max-loras they were started with",
+        )
+
+    def too_small(self, info: ReplicaInfo) -> str | None:
+        """Why a replica may not join: fewer adapter slots than the admitted runs' live windows (None: it fits).
+
+        Admission counts the replicas serving when a run attaches; one that joins later with a smaller
+        --max-loras would have vLLM evict adapters still in use (reloaded from disk on every switch)."""
+        slots = info.max_loras or self.state.config.pool_max_loras
+        used = sum(a.live_window for a in self.runs.values())
+        if not slots or used <= slots:
+            return None
+        return (
+            f"it holds {slots} adapters (--max-loras {slots}) and the pool's runs {', '.join(sorted(self.runs))} "
+            f"hold {used} adapter slots: restart it with --max-loras {used} or more, or wait for a run to leave"
         )
 
     def _no_room(self, run_id: str, want: Attach, slots: int, replicas: int) -> str | None:
@@ -141,6 +161,7 @@ class PoolRuns:
             lease_until=now + self.timeout_s,
         )
         self.runs[run_id] = run
+        self._hold(run_id, want.worker, run.lease_until)
         if run_id not in self.latest:
             latest = await asyncio.to_thread(adapters.latest_version, self.state.store, pool.adapters_folder(run_id))
             if latest is not None:
@@ -167,18 +188,39 @@ class PoolRuns:
         await self.events.emit(events.RUN_REFUSED, run=run_id, reason=reason, message=message)
         return Denied(status, message)
 
-    async def renew(self, run_id: str) -> float | None:
-        """Extend the run's lease; None when it is not admitted (it must attach again)."""
+    async def renew(self, run_id: str, worker: str = "") -> float | None:
+        """Extend the run's lease (and `worker`'s hold on it); None when it is not admitted (attach again)."""
         run = self.runs.get(run_id)
         if run is None:
             return None
         run.lease_until = time.time() + self.timeout_s
+        self._hold(run_id, worker, run.lease_until)
         await self._write(run)
         return run.lease_until
+
+    def _hold(self, run_id: str, worker: str, until: float) -> None:
+        if worker:
+            self.holders.setdefault(run_id, {})[worker] = until
+
+    def _release(self, run_id: str, worker: str) -> list[str]:
+        """Drop `worker`'s hold on the run; the other workers whose leases still run."""
+        held = self.holders.get(run_id, {})
+        held.pop(worker, None)
+        now = time.time()
+        return sorted(w for w, until in held.items() if until >= now)
+
+    async def leave(self, run_id: str, worker: str = "") -> dict[str, Any]:
+        """A worker of the run leaves: the run detaches unless another of its workers still holds it."""
+        others = self._release(run_id, worker) if worker else []
+        if others and run_id in self.runs:
+            log.info("worker %s of run %s left; the run stays attached for %s", worker, run_id, ", ".join(others))
+            return {"run": run_id, "was_attached": True, "unloaded": [], "failed": {}, "held_by": others}
+        return await self.detach(run_id, "left")
 
     async def detach(self, run_id: str, reason: str) -> dict[str, Any]:
         """Forget the run and unload its adapters from every replica (reason: left | lease_lapsed)."""
         run = self.runs.pop(run_id, None)
+        self.holders.pop(run_id, None)
         self.latest.pop(run_id, None)
         names = sorted(ad.lora_name for ad in self.state.loaded.values() if ad.pool_run == run_id)
         failed: dict[str, str] = {}

@@ -59,7 +59,8 @@ class Membership:
 
     `on_removed(replica_id)` is called when a replica stops receiving traffic (the hot path closes its
     connections); `after_join(info)` before a joiner that holds every loaded adapter gets traffic (the canary
-    probe: None admits it, else why not); `loaded_changed()` after adopting what the replicas already serve.
+    probe: None admits it, else why not); `loaded_changed()` after adopting what the replicas already serve;
+    `may_join(info)` before anything is loaded on a joiner (a pool's adapter slots: None, or why it stays out).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Membership:
         on_removed: Callable[[str], None],
         after_join: Callable[[ReplicaInfo], Awaitable[str | None]],
         loaded_changed: Callable[[], None],
+        may_join: Callable[[ReplicaInfo], str | None] = lambda _info: None,
     ) -> None:
         self.state = state
         self.upstream = upstream
@@ -97,6 +99,7 @@ class Membership:
         self.on_removed = on_removed
         self.after_join = after_join
         self.loaded_changed = loaded_changed
+        self.may_join = may_join
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -304,6 +307,12 @@ class Membership:
                 self._retry_join_later(rid)
                 return
             async with state.adapter_locks.every():
+                # Asked before any adapter is loaded on it: a replica that cannot hold them would only thrash.
+                problem = self.may_join(info)
+                if problem is not None:
+                    log.warning("replica %s cannot join: %s; retrying in %.0fs", rid, problem, JOIN_RETRY_S)
+                    self._retry_join_later(rid)
+                    return
                 if not await self._give_loaded_adapters(info):
                     self._retry_join_later(rid)
                     return

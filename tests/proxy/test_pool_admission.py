@@ -8,6 +8,7 @@ generations reached it. Pushes and isolation are in test_pool_push.py and test_p
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ from bucket.store import Store
 from bucket.version import Version
 from proxy.app import Proxy
 from proxy.config import ProxyConfig
+from proxy.replicas import membership
 from tests.proxy.seams import HttpxGeneration, asgi_app
 from tests.proxy.test_proxy_fanout import ADAPTER_FILES, FakeReplica, HostDispatch
 
@@ -41,19 +43,21 @@ def make_pool(store: Store, replicas: dict[str, int], runs: tuple[str, ...] = ("
     their --max-loras; returns each run's Authorization header."""
     pool.init_pool(store, "pool-1", "base")
     for name, max_loras in replicas.items():
-        register(
-            store,
-            ReplicaInfo(
-                replica_id=name,
-                url=f"http://{name}",
-                adapter_root=ROOT,
-                base_model="base",
-                block_size=16,
-                max_loras=max_loras,
-                started_at=1.0,
-            ),
-        )
+        register_replica(store, name, max_loras)
     return {run: auth(pool.new_token(store, run)) for run in runs}
+
+
+def register_replica(store: Store, name: str, max_loras: int) -> None:
+    info = ReplicaInfo(
+        replica_id=name,
+        url=f"http://{name}",
+        adapter_root=ROOT,
+        base_model="base",
+        block_size=16,
+        max_loras=max_loras,
+        started_at=1.0,
+    )
+    register(store, info)
 
 
 @asynccontextmanager
@@ -61,6 +65,7 @@ async def pool_proxy(
     store: Store, fakes: list[FakeReplica], monkeypatch: pytest.MonkeyPatch, **kw: Any
 ) -> AsyncIterator[tuple[Proxy, httpx.AsyncClient]]:
     monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", ADMIN_TOKEN)
+    expect = kw.pop("expect", len(fakes))  # replicas routable before the body runs
     cfg = ProxyConfig(
         pool=True,
         refresh_s=0.05,
@@ -80,7 +85,7 @@ async def pool_proxy(
     app = asgi_app(proxy)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-            await until(lambda: len(proxy.routable) == len(fakes), "every replica joined")
+            await until(lambda: len(proxy.routable) == expect, "every replica joined")
             yield proxy, client
 
 
@@ -157,6 +162,35 @@ def test_admission_takes_runs_while_their_windows_fit_the_smallest_max_loras(loc
     ]
     refused = pool_events(store, events.RUN_REFUSED)
     assert [(e["run"], e["reason"]) for e in refused] == [("c", "capacity"), ("b", "base_model"), ("b", "capacity")]
+
+
+def test_a_replica_with_fewer_adapter_slots_than_the_runs_hold_stays_out_until_they_fit(
+    local_store, monkeypatch, caplog
+):
+    """Admission counted the replicas serving then; one joining later with a smaller --max-loras is kept out
+    (nothing loaded on it) until the runs' windows fit, then joins with their adapters."""
+    store = local_store
+    tokens = make_pool(store, {"r0": 10})
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+    monkeypatch.setattr(membership, "JOIN_RETRY_S", 0.2)
+
+    async def body():
+        async with pool_proxy(store, fakes, monkeypatch, expect=1) as (proxy, client):
+            assert (await attach(client, "a", tokens["a"], max_staleness=2)).status_code == 201
+            assert (await attach(client, "b", tokens["b"], max_staleness=2)).status_code == 201
+            assert (await push(client, "a", 1, tokens["a"])).status_code == 200
+            register_replica(store, "r1", max_loras=6)
+            said = "replica r1 cannot join: it holds 6 adapters (--max-loras 6) and the pool's runs a, b hold 8"
+            await until(lambda: said in caplog.text, "r1 refused")
+            await asyncio.sleep(0.5)  # retried meanwhile, still out
+            assert list(proxy.routable) == ["r0"] and fakes[1].load_attempts == 0
+            assert "restart it with --max-loras 8 or more" in caplog.text
+            assert (await client.delete("/pool/runs/b", headers=tokens["b"])).status_code == 200
+            await until(lambda: "r1" in proxy.routable, "r1 joined once a and its 4 slots fit")
+            assert list(fakes[1].loaded) == ["a-v000001"]
+
+    with caplog.at_level(logging.WARNING, logger="brigade.proxy"):
+        asyncio.run(body())
 
 
 def test_without_a_replica_admission_says_the_slots_are_unknown(local_store, monkeypatch):
@@ -245,6 +279,33 @@ def test_a_run_that_leaves_is_unloaded_everywhere(local_store, monkeypatch):
             assert left.status_code == 200 and left.json()["unloaded"] == ["a-v000001", "a-v000002"], left.text
             assert all(not f.loaded for f in fakes)
             assert (await client.put("/pool/runs/a/lease", headers=tokens["a"])).status_code == 404
+
+    asyncio.run(body())
+    assert pool.read_runs(store) == {}
+    (detached,) = pool_events(store, events.RUN_DETACHED)
+    assert detached["reason"] == "left"
+
+
+def test_a_run_with_two_workers_stays_attached_until_the_last_one_leaves(local_store, monkeypatch):
+    """Each rollout worker names itself on attach, lease and detach; the first to leave detaches nothing."""
+    store = local_store
+    tokens = make_pool(store, {"r0": 8, "r1": 8})
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+
+    async def body():
+        async with pool_proxy(store, fakes, monkeypatch) as (_proxy, client):
+            assert (await attach(client, "a", tokens["a"], max_staleness=1, worker="w1")).status_code == 201
+            assert (await attach(client, "a", tokens["a"], max_staleness=1, worker="w2")).status_code == 200
+            assert (await push(client, "a", 1, tokens["a"])).status_code == 200
+            renewed = await client.put("/pool/runs/a/lease", params={"worker": "w2"}, headers=tokens["a"])
+            assert renewed.status_code == 200, renewed.text
+            first = await client.delete("/pool/runs/a", params={"worker": "w1"}, headers=tokens["a"])
+            assert first.status_code == 200 and first.json()["held_by"] == ["w2"], first.text
+            assert all("a-v000001" in f.loaded for f in fakes)  # w2's generations keep their adapter
+            assert (await client.put("/pool/runs/a/lease", params={"worker": "w2"}, headers=tokens["a"])).is_success
+            last = await client.delete("/pool/runs/a", params={"worker": "w2"}, headers=tokens["a"])
+            assert last.status_code == 200 and last.json()["unloaded"] == ["a-v000001"], last.text
+            assert "held_by" not in last.json() and all(not f.loaded for f in fakes)
 
     asyncio.run(body())
     assert pool.read_runs(store) == {}

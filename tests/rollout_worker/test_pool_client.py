@@ -20,6 +20,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -52,6 +53,7 @@ class FakePool:
         self.live: dict[str, set[int]] = {}
         self.requests: list[tuple[str, str, str, int]] = []  # method, path, Authorization, status answered
         self.bodies: dict[tuple[str, str], bytes] = {}  # (method, path) -> the last body received
+        self.queries: dict[tuple[str, str], str] = {}  # (method, path) -> the last query string received
         self.generated_with: list[str] = []  # the model of each generation answered 200
         self.lock = threading.Lock()
         pool = self
@@ -62,12 +64,14 @@ class FakePool:
 
             def _serve(self, method: str) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path, query = urlsplit(self.path).path, urlsplit(self.path).query
                 with pool.lock:
-                    status, answer = pool.answer(method, self.path, self.headers.get("Authorization", ""), body)
+                    status, answer = pool.answer(method, path, self.headers.get("Authorization", ""), body)
                     if status >= 400:  # errors in the proxy's shape (vLLM's: proxy/errors.py)
                         answer = {"error": {"message": answer["detail"], "type": "Error", "code": status}}
-                    pool.requests.append((method, self.path, self.headers.get("Authorization", ""), status))
-                    pool.bodies[(method, self.path)] = body
+                    pool.requests.append((method, path, self.headers.get("Authorization", ""), status))
+                    pool.bodies[(method, path)] = body
+                    pool.queries[(method, path)] = query
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -241,7 +245,10 @@ def test_worker_attaches_pushes_committed_versions_in_order_generates_with_its_t
         ("POST", f"{run_path}/adapters/v000002/commit"),
         ("DELETE", run_path),
     ]
-    assert json.loads(pool.bodies[("POST", run_path)]) == {"base_model": BASE, "max_staleness": 4, "weight": 1.0}
+    attached = {"base_model": BASE, "max_staleness": 4, "weight": 1.0, "worker": "w-pool"}
+    assert json.loads(pool.bodies[("POST", run_path)]) == attached
+    # the worker names itself on its lease and its detach too: a run's other workers keep it attached
+    assert pool.queries[("PUT", f"{run_path}/lease")] == pool.queries[("DELETE", run_path)] == "worker=w-pool"
     for v in (1, 2):  # the bytes and the marker of the run's own bucket
         assert pool.files[(manifest.run_id, v)] == files[v]
         assert pool.committed[(manifest.run_id, v)] == adapters.commit_marker(store, Version(v))
