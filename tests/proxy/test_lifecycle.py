@@ -114,6 +114,8 @@ def test_a_mirrored_replica_is_sent_a_load_only_once_its_registry_lists_the_vers
             assert (await client.get("/live_adapters")).json()["loading"] == 1
             mirror_holds([1])  # the sidecar's mirror copied v000001
             await until(lambda: manifest.lora_name(1) in fake.loaded, "v1 loaded")
+            # the replica answers the load before the proxy marks the version live (its probe, then the lock)
+            await until(lambda: manifest.lora_name(1) in proxy.loaded, "v1 live")
             assert (await client.get("/live_adapters")).json()["newest"] == 1
 
     asyncio.run(body())
@@ -155,8 +157,13 @@ def test_a_restarted_proxy_unloads_versions_outside_the_window_that_its_replicas
 
     asyncio.run(body())
     assert set(fake.loaded) == {manifest.lora_name(2), manifest.lora_name(3)}
-    # the join asks again for what the replica holds ("already loaded"): no version was loaded anew
-    assert not [e for e in events.read_all(store) if e["kind"] in (events.LOADED, events.LOADED_ALL)]
+    # the join asks again for what the replica holds ("already loaded"): no version was loaded anew, and each
+    # one it serves is on record as already loaded (the audit's evidence that the replica served it)
+    evs = events.read_all(store)
+    assert not [e for e in evs if e["kind"] == events.LOADED_ALL]
+    loaded = [e for e in evs if e["kind"] == events.LOADED]
+    assert sorted(e["version"] for e in loaded) == [1, 2, 3], loaded
+    assert all(e["already_loaded"] and e["late_join"] and e["replica"] == fake.url for e in loaded), loaded
 
 
 def test_with_watch_adapters_off_the_proxy_loads_nothing_by_itself(local_store):
