@@ -100,6 +100,7 @@ class Membership:
         self.after_join = after_join
         self.loaded_changed = loaded_changed
         self.may_join = may_join
+        self._recorded: set[tuple[str, str]] = set()  # (replica, lora name) whose join load this proxy recorded
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -368,7 +369,11 @@ class Membership:
             # adopted the adapter after a restart that cut the fan-out short, or the replica was ejected after a
             # load whose answer or probe failed), and without a record the bucket cannot show that every sample
             # of a group came from a replica serving its version (the audit counted such groups as mixed). Late
-            # joins are never sync events.
+            # joins are never sync events. Once per replica and version unless loaded anew: a joiner that fails its
+            # probe is given everything again every JOIN_RETRY_S.
+            if not res.newly and (rid, ad.lora_name) in self._recorded:
+                continue
+            self._recorded.add((rid, ad.lora_name))
             await self.events.emit(
                 events.LOADED,
                 version=ad.version,
