@@ -139,7 +139,7 @@ def test_each_run_keeps_its_own_window(local_store, monkeypatch):
     fakes = [FakeReplica("r0"), FakeReplica("r1")]
 
     async def body():
-        async with pool_proxy(store, fakes, monkeypatch, unload_idle_s=0.0) as (_proxy, client):
+        async with pool_proxy(store, fakes, monkeypatch, unload_idle_s=0.0) as (proxy, client):
             assert (await attach(client, "a", tokens["a"], max_staleness=1)).status_code == 201
             assert (await attach(client, "b", tokens["b"], max_staleness=0)).status_code == 201
             for v in (1, 2, 3):
@@ -148,6 +148,8 @@ def test_each_run_keeps_its_own_window(local_store, monkeypatch):
                 assert (await push(client, "b", v, tokens["b"])).status_code == 200
             want = {"a-v000002", "a-v000003", "b-v000002"}
             await until(lambda: all(set(f.loaded) == want for f in fakes), f"only {want} loaded")
+            # the replicas answer an unload before the proxy forgets the version (after the last answer)
+            await until(lambda: set(proxy.loaded) == want, f"only {want} live")
             assert (await client.get("/live_adapters", headers=tokens["a"])).json()["versions"] == [2, 3]
             assert (await client.get("/live_adapters", headers=tokens["b"])).json()["versions"] == [2]
 
