@@ -95,21 +95,18 @@ def _mixed(
     bad = []
     for gid, g in scored.items():
         v = g.adapter_version
-        whole = len(g.samples) == group_size
-        unrecorded = (
-            []
-            if v == 0
-            else sorted({s.replica for s in g.samples if loaded.get((v, s.replica), float("inf")) > g.generated_at})
-        )
-        if not whole or unrecorded or (v != 0 and v not in committed):
+        whole, known = len(g.samples) == group_size, v == 0 or v in committed
+        # the base needs no load; a version, a record of its load on each serving replica before the group
+        late = {s.replica for s in g.samples if v != 0 and loaded.get((v, s.replica), float("inf")) > g.generated_at}
+        if not whole or not known or late:
             bad.append(
                 {
                     "group": gid,
                     "version": v,
                     "samples": len(g.samples),
-                    "committed": v == 0 or v in committed,
+                    "committed": known,
                     # replicas that served a sample with no record of loading v before the group was written
-                    "replicas_without_load": unrecorded,
+                    "replicas_without_load": sorted(late),
                     "generated_at": g.generated_at,
                 }
             )
