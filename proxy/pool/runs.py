@@ -72,8 +72,7 @@ class PoolRuns:
     def slots(self) -> tuple[int, int] | Denied:
         """(adapter slots every replica has, replicas counted), or why the pool cannot tell yet."""
         infos = list(self.state.routable.values())
-        fallback = self.state.config.pool_max_loras
-        known = [i.max_loras or fallback for i in infos if i.max_loras or fallback]
+        known = [n for n in map(self._slots_of, infos) if n]
         if known:
             return min(known), len(known)
         if not infos:
@@ -88,12 +87,16 @@ class PoolRuns:
             "proxy.pool_max_loras to the --max-loras they were started with",
         )
 
+    def _slots_of(self, info: ReplicaInfo) -> int:
+        """A replica's --max-loras as it registered it, else proxy.pool_max_loras (0: unknown)."""
+        return info.max_loras or self.state.config.pool_max_loras
+
     def too_small(self, info: ReplicaInfo) -> str | None:
         """Why a replica may not join: fewer adapter slots than the admitted runs' live windows (None: it fits).
 
         Admission counts the replicas serving when a run attaches; one that joins later with a smaller
         --max-loras would have vLLM evict adapters still in use (reloaded from disk on every switch)."""
-        slots = info.max_loras or self.state.config.pool_max_loras
+        slots = self._slots_of(info)
         used = sum(a.live_window for a in self.runs.values())
         if not slots or used <= slots:
             return None
