@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -34,6 +34,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW = 4.0 if cpu_class() == "avx2" else 1.0
 # The session's replica sidecars by replica id (tests/conftest.py's vllm_replicas): the drain test stops one.
 SESSION_SIDECARS: dict[str, subprocess.Popen] = {}
+T = TypeVar("T")
 
 
 def host_timeout(seconds: float) -> float:
@@ -62,6 +63,16 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) 
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not up after {timeout_s}s")
+
+
+def wait_for(condition: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.1) -> T:
+    """`condition()`'s first truthy value, looked at every `poll_s`; AssertionError naming `what` after
+    `timeout_s` (a bound that catches a hang, not the time the work takes)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(poll_s)
+    return value
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import httpx
 import pytest
@@ -33,7 +34,7 @@ from replica.vllm_server import (
     plan_server,
     scheduling_policy,
 )
-from tests.helpers import REPO_ROOT, free_port, make_adapter_files
+from tests.helpers import REPO_ROOT, free_port, make_adapter_files, wait_for
 from tests.promql import missing, scrape
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -377,9 +378,18 @@ def test_replicas_register_and_heartbeat(vllm_replicas):
         models = httpx.get(f"{r.url}/v1/models", timeout=10).json()["data"]
         assert not any(m["id"] == "brigade-warmup" for m in models), models
     first = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
-    time.sleep(3.5)  # heartbeat_s is 1 in the fixture
-    later = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
-    assert all(later[rid] > first[rid] for rid in first), (first, later)
+
+    def beat_again() -> dict[str, float] | None:
+        later = {r.replica_id: r.beat for r in replicas.list_replicas(store)}
+        return later if all(later.get(rid, 0) > first[rid] for rid in first) else None
+
+    wait_for(beat_again, 30, "every replica's next heartbeat in the bucket (heartbeat_s is 1 in the fixture)")
+
+
+def _beaten(url: str, beats: float) -> dict[str, float] | None:
+    """The sidecar's metrics once it has counted more than `beats` heartbeats."""
+    metrics = scrape(url)
+    return metrics if metrics["brigade_replica_heartbeats_total"] > beats else None
 
 
 def test_sidecars_serve_metrics_of_registration_and_heartbeat(vllm_replicas):
@@ -395,9 +405,11 @@ def test_sidecars_serve_metrics_of_registration_and_heartbeat(vllm_replicas):
         assert not missing("brigade_replica_", before), missing("brigade_replica_", before)
         assert before["brigade_replica_registered"] == 1 and before["brigade_replica_vllm_healthy"] == 1
         assert before["brigade_replica_info"] == 1 and before["brigade_replica_vllm_startup_seconds"] > 0
-        time.sleep(2.5)  # heartbeat_s is 1 in the fixture
-        after = scrape(event["metrics_url"])
-        assert after["brigade_replica_heartbeats_total"] > before["brigade_replica_heartbeats_total"] >= 1
+        # Run first (alone), the sidecar may not have beaten yet: wait for one, then for the counter to move on
+        # (heartbeat_s is 1 in the fixture; the bound catches a heartbeat loop that stopped).
+        before = wait_for(partial(_beaten, event["metrics_url"], 0), 30, "a first heartbeat")
+        beats = before["brigade_replica_heartbeats_total"]
+        after = wait_for(partial(_beaten, event["metrics_url"], beats), 30, "the next heartbeat")
         assert time.time() - after["brigade_replica_last_heartbeat_timestamp_seconds"] < 10
         text = httpx.get(event["metrics_url"], timeout=10).text
         assert f'brigade_replica_info{{replica="{r.replica_id}",url="{r.url}"}} 1.0' in text
