@@ -91,6 +91,21 @@ class AttachedRun(BaseModel):
         return live_window(self.max_staleness)
 
 
+class RunPace(BaseModel):
+    """The body of a lease renewal (PUT /pool/runs/<run_id>/lease): the run's pace, as its rollout worker read it
+    from the run's bucket (bucket/pace.py, the reading a run's own proxy does for its autoscaler). The pool's
+    proxy never reads a run's bucket, so this is how its autoscaler learns whether the runs' trainers wait.
+
+    One writer: the run's rollout worker (rollout_worker/pool_client.py), measured over the window the pool
+    named in its admission answer (`pace_window_s`). One reader: the pool's proxy, which keeps the latest per
+    run until the run detaches (proxy/scaling/pool_signals.py sums them by the runs' weights)."""
+
+    model_config = {"extra": "forbid"}
+    trainer_wait: float | None = Field(None, ge=0, le=1, description="share of the trainer's time spent waiting")
+    backlog_steps: float | None = Field(None, ge=0, allow_inf_nan=False, description="unread groups, in steps")
+    backlog_groups: int = Field(0, ge=0, description="groups written and not yet read by the trainer")
+
+
 def live_window(max_staleness: int) -> int:
     return max_staleness + 1 + WINDOW_MARGIN
 

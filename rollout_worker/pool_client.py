@@ -4,7 +4,10 @@ With `rollout.pool_url` set, the worker generates on a pool (one proxy and its r
 instead of its run's own proxy. The pool never reads this run's bucket, so the worker does what the run's own
 proxy would: it asks the pool to admit the run (POST /pool/runs/{run}), keeps the admission alive
 (PUT .../lease every lease_s / 3), pushes every adapter version the trainer commits (pool_publisher.py), and
-detaches when it ends (DELETE /pool/runs/{run}). Each of these names the worker (`worker`): a run with several
+detaches when it ends (DELETE /pool/runs/{run}). Each renewal carries the run's pace (bucket.pool.RunPace: its
+trainer's waiting share and unread backlog, read from this run's bucket as a run's own proxy reads them,
+bucket/pace.py) over the window the pool's admission answer names (`pace_window_s`; 0 or absent: none sent),
+for the pool's autoscaler (docs/autoscaling.md). Each of these names the worker (`worker`): a run with several
 workers stays attached until the last of them leaves. Every request to the pool, generation included, carries the
 run's token (`Authorization: Bearer ...`, read from `rollout.pool_token_env`, never logged).
 
@@ -27,6 +30,8 @@ import httpx
 from bucket import pool as pool_contract
 from bucket.config import ConfigError
 from bucket.manifest import RunManifest
+from bucket.pace import RunSignals
+from bucket.pool import RunPace
 from bucket.store import Store
 
 log = logging.getLogger("brigade.rollout")
@@ -119,6 +124,10 @@ class PoolSession:
         self.path = f"/pool/runs/{self.run_id}"
         self.worker = worker  # this worker's id: the pool detaches the run when its last worker leaves
         self.params = {"worker": worker} if worker else {}
+        self.token_source = f"${token_env}"  # where the token came from, for refusals (never the token itself)
+        self.pace_window_s = 0.0  # the pool's: its autoscaler reads the run's pace over this window (0: none)
+        self._pace: RunSignals | None = None
+        self._pace_failing = False
 
     # -- admission -----------------------------------------------------------------------------------------
     async def attach(self) -> dict[str, Any]:
@@ -158,6 +167,8 @@ class PoolSession:
         data = data if isinstance(data, dict) else {}
         lease = data.get("lease_s")
         self.lease_s = float(lease) if isinstance(lease, int | float) and lease > 0 else DEFAULT_LEASE_S
+        window = data.get("pace_window_s")
+        self.pace_window_s = float(window) if isinstance(window, int | float) and window > 0 else 0.0
         self.attachments += 1
         log.info(
             "run %s %s the pool at %s (weight %g, max_staleness %d; lease %.0fs)",
@@ -176,11 +187,11 @@ class PoolSession:
         head = f"the pool at {self.url} {what} run {self.run_id} (HTTP {resp.status_code}: {said})"
         if resp.status_code == 401:
             return (
-                f"{head}: it does not know the token in ${self.token_env}; create one with `brigade pool token "
-                f"--pool POOL_BUCKET --run {self.run_id}` and put it in ${self.token_env}"
+                f"{head}: it does not know the token in {self.token_source}; create one with `brigade pool token "
+                f"--pool POOL_BUCKET --run {self.run_id}` and put it in {self.token_source}"
             )
         if resp.status_code == 403:
-            return f"{head}: the token in ${self.token_env} is not run {self.run_id}'s; use the one made for it"
+            return f"{head}: the token in {self.token_source} is not run {self.run_id}'s; use the one made for it"
         if resp.status_code == 409:
             return (
                 f"{head}. Nothing was retried: do what the pool says (a pool serving run.base_model "
@@ -190,13 +201,46 @@ class PoolSession:
         return f"{head}: check rollout.pool_url names a brigade pool proxy"
 
     # -- lease ---------------------------------------------------------------------------------------------
+    def read_pace(self, now: float) -> RunPace | None:
+        """The run's pace over the pool's window, from this run's bucket (blocking: a few small reads, only
+        what is new since the last renewal); None when the pool asks for none."""
+        if self.pace_window_s <= 0:
+            return None
+        if self._pace is None or self._pace.window_s != self.pace_window_s:
+            self._pace = RunSignals(self.store, self.manifest.num_generations, self.pace_window_s)
+        self._pace.poll(now)
+        return self._pace.pace(now)
+
+    async def _pace_body(self) -> dict[str, Any] | None:
+        try:
+            pace = await asyncio.to_thread(self.read_pace, time.time())
+        except Exception as exc:  # noqa: BLE001 - a bucket hiccup: renew without it (the pool keeps the last one)
+            if not self._pace_failing:
+                log.warning("reading the run's pace for the pool failed (%s: %s)", type(exc).__name__, exc)
+            self._pace_failing = True
+            return None
+        self._pace_failing = False
+        return pace.model_dump() if pace is not None else None
+
+    async def renew(self) -> httpx.Response:
+        """One renewal of the lease, carrying the run's pace when the pool asks for it."""
+        resp = await self.client.put(f"{self.path}/lease", params=self.params, json=await self._pace_body())
+        if resp.status_code == 200:
+            try:
+                refused = resp.json().get("pace_refused")
+            except (ValueError, AttributeError):
+                refused = None
+            if refused:
+                log.warning("the pool renewed the lease but not the pace: %s", refused)
+        return resp
+
     async def keep_lease(self) -> None:
         """Renew the lease every lease_s / 3, forever; attach again when the pool no longer holds the run."""
         failing = False
         while True:
             await asyncio.sleep(self.lease_s / 3)
             try:
-                resp = await self.client.put(f"{self.path}/lease", params=self.params)
+                resp = await self.renew()
             except httpx.TransportError as exc:
                 if not failing:  # once per outage: the renewal runs every few seconds
                     log.warning("renewing the pool lease failed (%s: %s); retrying", type(exc).__name__, exc)

@@ -12,8 +12,10 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from bucket import pool
+from bucket.pool import RunPace
 from proxy.pool.access import Denied
 from proxy.pool.push import MAX_FILE_BYTES, too_large
 from proxy.pool.service import Pool
@@ -26,6 +28,19 @@ async def _json(request: Request) -> Any:
         return json.loads(await request.body())
     except ValueError:
         return None
+
+
+async def _pace(request: Request) -> tuple[RunPace | None, str | None]:
+    """A lease renewal's body: the run's pace (none: an empty body), or why it was not taken. A body the pool
+    cannot read never fails the renewal: a lapsed lease would unload the run's adapters over a signal."""
+    raw = await request.body()
+    if not raw.strip():
+        return None, None
+    try:
+        return RunPace.model_validate_json(raw), None
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        return None, f"the pace in the body was not taken ({problems}); the lease was renewed"
 
 
 def pool_routes(p: Pool) -> list[tuple[str, str, Endpoint]]:
@@ -54,14 +69,15 @@ def pool_routes(p: Pool) -> list[tuple[str, str, Endpoint]]:
         run_id = await authorized(request)
         if isinstance(run_id, Denied):
             return run_id.response()
-        until = await p.runs.renew(run_id, request.query_params.get("worker", "")[:200])
+        pace, refused = await _pace(request)
+        until = await p.runs.renew(run_id, request.query_params.get("worker", "")[:200], pace)
         if until is None:
             return Denied(
                 404,
                 f"run {run_id} is not attached (its lease lapsed, it left, or the pool never admitted it): "
                 f"attach again with POST /pool/runs/{run_id}",
             ).response()
-        return JSONResponse({"lease_until": until})
+        return JSONResponse({"lease_until": until, **({"pace_refused": refused} if refused else {})})
 
     async def detach(request: Request) -> Response:
         run_id = await authorized(request)

@@ -8,6 +8,10 @@ when it detaches or its lease lapses (its adapters are unloaded everywhere). A r
 workers is held by each of them (they name themselves: `worker`): one worker leaving detaches nothing while
 another still holds a lease, so its generations keep their adapters; the last one leaving detaches the run.
 
+Each renewal may carry the run's pace (bucket.pool.RunPace: its trainer's waiting share and unread backlog,
+read by its rollout worker from the run's own bucket); the latest per run is kept until the run detaches,
+for the pool's autoscaler (`reports`, proxy/scaling/pool_signals.py).
+
 Admitted runs are written to runs/<run_id>.json in the pool's bucket. A restarted proxy reads them back,
 gives each a fresh lease (nobody could renew while it was down) and adopts the versions its replicas still
 serve for them (`adopt`); the window and the lease then apply as before.
@@ -24,7 +28,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from bucket import adapters, events, pool
 from bucket.canary import read_canary
-from bucket.pool import AttachedRun, PoolManifest
+from bucket.pool import AttachedRun, PoolManifest, RunPace
 from bucket.replicas import ReplicaInfo
 from bucket.version import BadVersion, Version
 from proxy.adapters.fanout import AdapterFanout
@@ -33,6 +37,7 @@ from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.pool.access import Denied
 from proxy.replicas.upstream import Upstream
+from proxy.scaling.pool_signals import RunReport
 from proxy.serving.slots import run_of_model
 from proxy.state import ProxyState
 
@@ -62,6 +67,7 @@ class PoolRuns:
         # run -> its workers that named themselves -> when each one's lease ends (kept in memory: after a proxy
         # restart the workers' next renewals name them again)
         self.holders: dict[str, dict[str, float]] = {}
+        self.paces: dict[str, tuple[RunPace, float]] = {}  # run -> its latest reported pace, when (monotonic)
         self._writes = asyncio.Lock()  # runs/ writes, one at a time: a late lease write never outlives a detach
 
     @property
@@ -184,22 +190,44 @@ class PoolRuns:
         )
         verb = "re-attached" if known else "admitted"
         log.info("run %s %s: %d of %d adapter slots now held", run_id, verb, used, slots)
-        return (200 if known else 201), {"run": run.model_dump(), "lease_s": self.timeout_s}
+        return (200 if known else 201), {
+            "run": run.model_dump(),
+            "lease_s": self.timeout_s,
+            "pace_window_s": self.pace_window_s,
+        }
+
+    @property
+    def pace_window_s(self) -> float:
+        """The window a run's pace is measured over for the pool's autoscaler (0: it is off, send none)."""
+        config = self.state.config
+        return config.scale_window_s if config.scale_interval_s > 0 else 0.0
 
     async def _refuse(self, run_id: str, reason: str, status: int, message: str) -> Denied:
         log.warning("run %s refused: %s", run_id, message)
         await self.events.emit(events.RUN_REFUSED, run=run_id, reason=reason, message=message)
         return Denied(status, message)
 
-    async def renew(self, run_id: str, worker: str = "") -> float | None:
-        """Extend the run's lease (and `worker`'s hold on it); None when it is not admitted (attach again)."""
+    async def renew(self, run_id: str, worker: str = "", pace: RunPace | None = None) -> float | None:
+        """Extend the run's lease (and `worker`'s hold on it), keeping the pace it reported (None: it sent none,
+        the last one stands); None when it is not admitted (attach again)."""
         run = self.runs.get(run_id)
         if run is None:
             return None
         run.lease_until = time.time() + self.timeout_s
         self._hold(run_id, worker, run.lease_until)
+        if pace is not None:
+            self.paces[run_id] = (pace, time.monotonic())
         await self._write(run)
         return run.lease_until
+
+    def reports(self) -> dict[str, RunReport]:
+        """Every admitted run, its weight and its latest pace: what the pool's autoscaler sums (app.py wires it)."""
+        now = time.monotonic()
+        out = {}
+        for run_id, run in self.runs.items():
+            pace, at = self.paces.get(run_id, (None, None))
+            out[run_id] = RunReport(run.weight, pace, None if at is None else now - at)
+        return out
 
     def _hold(self, run_id: str, worker: str, until: float) -> None:
         if worker:
@@ -224,6 +252,7 @@ class PoolRuns:
         """Forget the run and unload its adapters from every replica (reason: left | lease_lapsed)."""
         run = self.runs.pop(run_id, None)
         self.holders.pop(run_id, None)
+        self.paces.pop(run_id, None)  # its pace expires with it: a run that left says nothing about the pool's
         self.latest.pop(run_id, None)
         names = sorted(ad.lora_name for ad in self.state.loaded.values() if ad.pool_run == run_id)
         failed: dict[str, str] = {}

@@ -1,6 +1,8 @@
 """The proxy's look at the run every `scale_interval_s`: signals in, desired replica count out.
 
-Each look reads the bucket (signals.py, off the event loop), takes the proxy's own load (replicas serving
+Each look reads the run's signals from its bucket (bucket/pace.py, off the event loop) or, in a shared pool,
+whose bucket has no trainer, the attached runs' own as their rollout workers reported them (pool_signals.py,
+summed by weight); takes the proxy's own load (replicas serving
 and joining, requests in flight and waiting: a callback from app.py), and asks the rule (desired.py). The
 count is exported as `brigade_proxy_desired_replicas` (metrics.py reads `desired`), and whenever it or
 the count of replicas serving changes, a `desired_replicas` event goes to the bucket with the reason and
@@ -18,11 +20,12 @@ from dataclasses import dataclass
 
 from bucket import events as ev
 from bucket.manifest import RunManifest
+from bucket.pace import RunSignals
 from bucket.store import Store
 from proxy.config import ProxyConfig
 from proxy.event_writer import EventWriter
 from proxy.scaling.desired import Decision, DesiredReplicas, Policy, Signals
-from proxy.scaling.signals import RunSignals
+from proxy.scaling.pool_signals import PoolSignals, Reports
 
 log = logging.getLogger("brigade.proxy")
 
@@ -61,12 +64,18 @@ class Autoscaler:
         manifest: RunManifest | None,
         events: EventWriter,
         load: Callable[[], Load],
+        pool: Reports | None = None,
     ) -> None:
+        """`pool`: a shared pool's runs and their reported paces (proxy/pool/runs.py), read instead of the bucket."""
         self.config, self.events, self.load = config, events, load
         self.rule = DesiredReplicas(policy(config))
-        own = frozenset({events.log.writer})  # the proxy's own events say nothing about the run's pace
-        generations = manifest.num_generations if manifest else None
-        self.signals = RunSignals(store, generations, config.scale_window_s, skip=own)
+        self.signals: RunSignals | PoolSignals
+        if pool is not None:
+            self.signals = PoolSignals(pool)
+        else:
+            own = frozenset({events.log.writer})  # the proxy's own events say nothing about the run's pace
+            generations = manifest.num_generations if manifest else None
+            self.signals = RunSignals(store, generations, config.scale_window_s, skip=own)
         self.desired: int | None = None  # None until a replica is seen: no gauge rather than a made-up count
         self._written: tuple[int, int] | None = None  # (desired, serving) of the last event
         self._task: asyncio.Task | None = None
@@ -116,8 +125,15 @@ class Autoscaler:
                 joining=load.joining,
                 moved=decision.changed,
                 reason=decision.reason,
-                signals={**signals.fields(), "backlog_groups": self.signals.backlog_groups()},
+                signals=self._inputs(signals),
                 min_replicas=self.config.min_replicas,
                 max_replicas=self.config.max_replicas,
             )
         return decision
+
+    def _inputs(self, signals: Signals) -> dict[str, object]:
+        """The event's `signals`: what the rule saw, and in a pool each run's report behind it."""
+        out: dict[str, object] = {**signals.fields(), "backlog_groups": self.signals.backlog_groups()}
+        if isinstance(self.signals, PoolSignals):
+            out["runs"] = self.signals.runs()
+        return out

@@ -12,9 +12,9 @@ import pytest
 
 from bucket import appendlog, events, layout
 from bucket.events import EventLog, EventTail
+from bucket.pace import RunSignals
 from bucket.progress import TrainerDone, TrainerProgress, mark_done, write_progress
 from proxy.scaling.desired import DesiredReplicas, Policy, Signals
-from proxy.scaling.signals import RunSignals
 from tests.proxy.test_lifecycle import until
 from tests.proxy.test_proxy_fanout import FakeReplica, config, running
 

@@ -1,13 +1,17 @@
 """The run's pace as the bucket tells it: how much the trainer waits for rollouts, and how far ahead generation is.
 
-Read incrementally every look (`RunSignals.poll`, a blocking call the autoscaler runs off the event loop):
+Two readers, one reading: a run's own proxy (its autoscaler, proxy/scaling/) and, in a shared pool, whose
+proxy never reads a run's bucket, the run's rollout worker, which sends it to the pool on each lease renewal
+(`RunSignals.pace()`, the body bucket.pool.RunPace; docs/pool.md).
+
+Read incrementally every look (`RunSignals.poll`, a blocking call each reader runs off its event loop):
 
 * the events appended since the previous look (`EventTail`: the proxy's own are skipped): `train_step`
   (`perf/wait_s`, `perf/step_s`, `samples_consumed`) and `rollout_shard_written` (`key`, `groups`);
 * `trainer/progress.json`: per rollout worker, the last shard the trainer read;
 * `trainer/DONE.json`: a finished trainer waits for nothing.
 
-Events carry their writer's wall clock; the proxy compares them with its own, so a skew between the two
+Events carry their writer's wall clock; the reader compares them with its own, so a skew between the two
 machines shifts the waiting share by about skew / scale_window_s (a few seconds in a minute: small).
 """
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from bucket import appendlog, events, layout
 from bucket.events import EventTail
+from bucket.pool import RunPace
 from bucket.progress import read_done, read_progress
 from bucket.store import Store
 
@@ -109,3 +114,12 @@ class RunSignals:
         """The backlog in optimizer steps' worth (the newest step's groups); None before a step says its size."""
         sizes = [s.groups for s in self.steps if s.groups]
         return self.backlog_groups() / sizes[-1] if sizes else None
+
+    def pace(self, now: float) -> RunPace:
+        """What a run's rollout worker tells its pool (the lease renewal's body): this reading, at `now`."""
+        wait, steps = self.trainer_wait(now), self.backlog_steps()
+        return RunPace(
+            trainer_wait=None if wait is None else round(min(1.0, max(0.0, wait)), 4),
+            backlog_steps=None if steps is None else round(steps, 4),
+            backlog_groups=self.backlog_groups(),
+        )
