@@ -216,5 +216,6 @@ def _run_in(config: Config, store: Store, run_dir: str, logs: str, sizing: dict 
         max_steps=config.trainer.max_steps,
         max_wall_s=config.local.max_wall_s,
         sized_for_cpu=sizing,
+        processes=local.processes(),
     )
     return code

@@ -181,6 +181,14 @@ class LocalJobs:
     def jobs(self) -> list[Job]:
         return self.replicas + [self.proxy, *self.workers()]  # the replicas change under auto
 
+    def processes(self) -> list[dict[str, object]]:
+        """Every job process this run started (replicas the scaler stopped too): name, pid (also its process
+        group's id: each job leads a session of its own) and exit code (None: still running). summary.json keeps
+        it, so a person (or a test) can tell which jobs ran and check that none outlived the run."""
+        retired = self.scaler.retired if self.scaler is not None else []
+        started = [job for job in [*retired, *self.jobs] if job.proc is not None]
+        return [{"job": job.name, "pid": job.proc.pid, "exit_code": job.proc.poll()} for job in started]  # type: ignore[union-attr]
+
     def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         """Wait for `ready`, failing as soon as any job fails, or at the run's deadline."""
         limit = min(self.deadline, time.monotonic() + timeout_s)

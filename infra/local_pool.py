@@ -338,6 +338,7 @@ def run_pool(config: Config, sizing: dict[str, Any] | None = None) -> int:
             max_steps=run.config.trainer.max_steps,
             max_wall_s=config.local.max_wall_s,
             sized_for_cpu=sizing,
+            processes=local.processes(),
         )
     report = local.shares.report({run.run_id: run.config.rollout.pool_weight for run in runs})
     print("")

@@ -107,6 +107,7 @@ class ReplicaScaler:
         self.desired: int | None = None
         self.reason = ""
         self.stopping: dict[str, ReplicaProcess] = {}  # asked to stop (draining), not yet exited
+        self.retired: list[ReplicaProcess] = []  # stopped and gone from `replicas`: still named in the summary
 
     def poll(self) -> Change:
         """One look: read the newest desired count, start or stop replicas to match it."""
@@ -139,7 +140,9 @@ class ReplicaScaler:
         busy = {r.name for r in self.replicas if r.running()}
         index = next(i for i in range(len(self.replicas) + 1) if f"replica-{i}" not in busy)
         job = self.new_replica(index)
-        self.replicas[:] = [r for r in self.replicas if r.name != job.name]  # a stopped one of that name has exited
+        # a stopped one of that name has exited
+        self.retired += [r for r in self.replicas if r.name == job.name]
+        self.replicas[:] = [r for r in self.replicas if r.name != job.name]
         job.start()
         self.replicas.append(job)
         return job.name
@@ -160,3 +163,4 @@ class ReplicaScaler:
             code = job.proc.returncode if job.proc is not None else None
             self.say(f"  replicas: {name} drained and stopped" + ("" if code == 0 else f" (exit code {code})"))
             self.replicas.remove(job)
+            self.retired.append(job)

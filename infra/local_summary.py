@@ -86,14 +86,17 @@ def write_summary(
     max_steps: int,
     max_wall_s: float,
     sized_for_cpu: dict[str, Any] | None = None,
+    processes: list[dict[str, Any]] | None = None,
 ) -> bool:
     """summary.json, the printed summary and accuracy.png; never raises (a summary must not fail a run, nor hide
     why it was cut): a failure is reported on stderr and False returned. `sized_for_cpu`: the defaults
-    infra/local_sizing.py changed for this CPU (recorded so that figures from different hosts compare)."""
+    infra/local_sizing.py changed for this CPU (recorded so that figures from different hosts compare).
+    `processes`: the job processes the run started, with their pids and exit codes (LocalJobs.processes)."""
     facts = {
         "wall_s": time.monotonic() - started,
         "replica_startup_s": replica_startup_s,
         "sized_for_cpu": sized_for_cpu or {},
+        "processes": processes or [],
     }
     try:
         summary = build(store, ending, facts, max_steps, max_wall_s)

@@ -14,7 +14,7 @@ from bucket import events, replicas
 from bucket.store import Store
 from infra.s3server import listen_ports
 from tests.helpers import REPO_ROOT, brigade_local, free_port, host_timeout
-from tests.infra.test_local_interrupt import _alive, _descendants, _processes
+from tests.procs import ProcessTree, left_behind
 
 
 @pytest.mark.skipif(
@@ -44,7 +44,7 @@ def test_auto_replicas_add_one_when_the_trainer_waits(tmp_path, model_dir):
     with open(out, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     store = Store(str(bucket))
-    seen: dict[int, str] = {}
+    tree = ProcessTree(proc.pid)
     t0 = time.monotonic()
     admitted: list[dict] = []
     try:
@@ -52,7 +52,7 @@ def test_auto_replicas_add_one_when_the_trainer_waits(tmp_path, model_dir):
         while not admitted:
             assert proc.poll() is None, out.read_text()[-4000:]
             assert time.monotonic() < deadline, "no second replica admitted:\n" + out.read_text()[-4000:]
-            seen.update(_descendants(proc.pid))
+            tree.sample()
             if store.exists("run.json"):
                 admitted = [
                     e
@@ -60,7 +60,7 @@ def test_auto_replicas_add_one_when_the_trainer_waits(tmp_path, model_dir):
                     if e["kind"] == events.REPLICA_ADMITTED and e.get("replica") == "replica-1"
                 ]
             time.sleep(1)
-        seen.update(_descendants(proc.pid))
+        tree.sample()
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(240) == 130, out.read_text()[-4000:]
     finally:
@@ -72,8 +72,7 @@ def test_auto_replicas_add_one_when_the_trainer_waits(tmp_path, model_dir):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     print(f"second replica admitted after {time.monotonic() - t0:.0f} s")
-    time.sleep(1)
-    left = _alive(seen) | {pid: c for pid, (_, st, c) in _processes().items() if str(tmp_path) in c and st != "Z"}
+    left = left_behind(tree, str(tmp_path))
     assert not left, left
 
     text = out.read_text()

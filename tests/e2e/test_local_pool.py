@@ -27,7 +27,7 @@ from infra.config import Config, ConfigError, load
 from infra.local_pool import ServedShares, check_pool_settings, pool_config, run_config, share_lines
 from infra.s3server import listen_ports
 from tests.helpers import REPO_ROOT, free_port, host_timeout
-from tests.infra.test_local_interrupt import _alive, _descendants, _processes
+from tests.procs import ProcessTree, left_behind
 
 STEPS = 3
 
@@ -100,8 +100,7 @@ def test_two_runs_share_one_pool_and_each_gets_its_summary(tmp_path, model_dir):
     print(f"brigade local --local.runs 2: {wall_s:.0f} s")
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    time.sleep(1)
-    left = {pid: c for pid, (_, st, c) in _processes().items() if str(tmp_path) in c and st != "Z"}
+    left = left_behind(ProcessTree(proc.pid), str(tmp_path))  # the command has ended: its folder names what is left
     assert not left, left
 
     (top,) = tmp_path.glob("local-*")
@@ -173,23 +172,23 @@ def test_sigterm_stops_every_job_of_both_runs_and_the_pool_and_still_writes_both
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    seen: dict[int, str] = {}
+    tree = ProcessTree(proc.pid)
     try:
         deadline = time.monotonic() + host_timeout(480)
         pushed: set[str] = set()
         while len(pushed) < 2:
             assert proc.poll() is None, out.read_text()[-4000:]
             assert time.monotonic() < deadline, "no version pushed by both runs:\n" + out.read_text()[-4000:]
-            seen.update(_descendants(proc.pid))
+            tree.sample()
             pool_bucket = list(tmp_path.glob("local-*/pool/bucket"))
             if pool_bucket and (pool_bucket[0] / "events").exists():
                 every = events.read_all(Store(str(pool_bucket[0])))
                 pushed = {e["run"] for e in every if e["kind"] == events.ADAPTER_PUSHED}
             time.sleep(1)
-        seen.update(_descendants(proc.pid))
+        tree.sample()
         kinds = {"-m replica", "vllm.entrypoints", "-m proxy", "-m rollout_worker", "-m trainer"}
-        assert {k for k in kinds if any(k in c for c in seen.values())} == kinds, seen
-        assert sum("-m trainer" in c for c in seen.values()) >= 2, seen
+        assert tree.kinds_seen(kinds) == kinds, tree.seen
+        assert sum("-m trainer" in c for c in tree.commands()) >= 2, tree.seen
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(240) == 130, out.read_text()[-4000:]
     finally:
@@ -200,8 +199,7 @@ def test_sigterm_stops_every_job_of_both_runs_and_the_pool_and_still_writes_both
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    time.sleep(1)
-    left = _alive(seen) | {pid: c for pid, (_, st, c) in _processes().items() if str(tmp_path) in c and st != "Z"}
+    left = left_behind(tree, str(tmp_path))
     assert not left, left
 
     text = out.read_text()
