@@ -12,10 +12,11 @@ import argparse
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from bucket.config import BucketConfig, ConfigError
 from bucket.manifest import RunSpec
+from infra.local_task import Task, task_rollout
 from jobkit.settings import add_flags as add_table_flags
 from jobkit.settings import load as load_tables
 from jobkit.settings import to_toml
@@ -30,6 +31,12 @@ __all__ = ["Config", "ConfigError", "Flags", "LocalConfig", "add_flags", "load",
 class LocalConfig(BaseModel):
     model_config = {"extra": "forbid"}
 
+    task: Task = Field(
+        "sums",
+        description="What the run trains, as [rollout] settings for the fields not given (infra/local_task.py): sums "
+        "(the built-in sums and their curriculum) or reasoning-gym (chain_sum, 2 terms of 1 digit, the reply's last "
+        "number scored by the task's score_answer; docs/environments.md).",
+    )
     num_replicas: int = Field(2, ge=1, description="vLLM replicas to start (unless local.replicas says otherwise).")
     replicas: int | Literal["auto"] = Field(
         0,
@@ -111,6 +118,12 @@ class Config(BaseModel):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     local: LocalConfig = Field(default_factory=LocalConfig)
+
+    @model_validator(mode="after")
+    def _local_task(self) -> Config:
+        """--local.task's [rollout] settings, before any job's table is written out."""
+        self.rollout = task_rollout(self.local.task, self.rollout)
+        return self
 
 
 # {table: the fields a command offers as flags, or None for all of them}; a --config file still sets any field.

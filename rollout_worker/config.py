@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from rollout_worker.datasets.spec import is_reasoning_gym, parse
+
+# The reward (and evaluation judge) of a reasoning-gym dataset when none is named: the task's own score_answer
+# on the answer the row's extraction rule takes from the reply (rollout_worker/datasets/reasoning_gym.py).
+REASONING_GYM_REWARD = "rollout_worker.datasets.reasoning_gym:reasoning_gym_reward"
 
 
 class RolloutConfig(BaseModel):
@@ -57,8 +63,10 @@ class RolloutConfig(BaseModel):
     dataset: str = Field(
         "arithmetic",
         description="Training prompts: 'arithmetic' (built in, levels of rising operand size), 'gsm8k:FILE' (GSM8K's "
-        "question/answer layout), a .jsonl/.json/.parquet/.csv FILE with a 'prompt' column (text or chat messages; "
-        "every other column goes to the reward functions), or a Hugging Face hub dataset name.",
+        "question/answer layout), 'reasoning-gym:TASK[:KEY=VALUE,...][+TASK...]' (reasoning-gym's procedural tasks, "
+        "with the task's config fields and brigade's weight/extract/levels/size as options; scored by the task's "
+        "score_answer: docs/environments.md), a .jsonl/.json/.parquet/.csv FILE with a 'prompt' column (text or "
+        "chat messages; every other column goes to the reward functions), or a Hugging Face hub dataset name.",
     )
     dataset_split: str = Field("train", description="Split of a hub dataset.")
     num_epochs: int = Field(0, ge=0, description="Stop after this many passes over the prompts (0 = never stop).")
@@ -72,7 +80,8 @@ class RolloutConfig(BaseModel):
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["rollout_worker.rewards:exact_match"],
         description="Reward functions as module:function (TRL signature: completions, prompts, completion_ids, "
-        "**columns -> list of float or None; sync or async); weighted and summed.",
+        "**columns -> list of float or None; sync or async); weighted and summed. Not given with a reasoning-gym "
+        f"dataset: {REASONING_GYM_REWARD}.",
     )
     reward_weights: list[float] = Field(
         default_factory=list, description="One weight per reward function (empty = all 1.0)."
@@ -101,7 +110,8 @@ class RolloutConfig(BaseModel):
     )
     eval_judge: str = Field(
         "rollout_worker.rewards:exact_match",
-        description="Reward function that judges an evaluation answer correct (1.0) or not.",
+        description="Reward function that judges an evaluation answer correct (1.0) or not. Not given with a "
+        f"reasoning-gym dataset: {REASONING_GYM_REWARD} (the task's score_answer; 1.0 counts as correct).",
     )
     seed: int = Field(0, description="Seed of the prompt order (reshuffled every epoch).")
     poll_s: float = Field(0.5, gt=0, description="How often to look for a new adapter version.")
@@ -112,3 +122,17 @@ class RolloutConfig(BaseModel):
     metrics_port: int = Field(
         9320, ge=1, le=65535, description="Port of /metrics (the proxy is 8100, replicas 8200+, trainer 9310)."
     )
+
+    @model_validator(mode="after")
+    def _reasoning_gym(self) -> RolloutConfig:
+        """A reasoning-gym spec is read here (its syntax; task names when the data is drawn), and its rows are
+        scored by their task's score_answer unless reward functions or a judge are named."""
+        for spec in (self.dataset, self.eval_dataset):
+            if is_reasoning_gym(spec):
+                parse(spec)
+        if is_reasoning_gym(self.dataset):
+            if "reward_funcs" not in self.model_fields_set:
+                self.reward_funcs = [REASONING_GYM_REWARD]
+            if "eval_judge" not in self.model_fields_set:
+                self.eval_judge = REASONING_GYM_REWARD
+        return self

@@ -9,11 +9,13 @@ curriculum (rollout_worker/sampler.py).
 `--rollout.dataset` is one of
   arithmetic          built in: "What is A + B?" at levels of rising operand size (a curriculum)
   gsm8k:FILE          a math-word-problem file in GSM8K's layout (`question`, `answer` ending in "#### 42")
+  reasoning-gym:TASK  procedural tasks of reasoning-gym, options and mixes included (rollout_worker/datasets/)
   FILE                a .jsonl / .json / .parquet / .csv file with a `prompt` column
   NAME                a dataset on the Hugging Face hub (needs network), split `--rollout.dataset-split`
 
 The evaluation set is fixed before any training prompt is chosen: the built-in
-one for `arithmetic`, `--rollout.eval-dataset` when given, otherwise
+one for `arithmetic`, a draw with seeds of its own for `reasoning-gym:`,
+`--rollout.eval-dataset` when given, otherwise
 `eval_size` rows held out of the dataset by a fixed seed. Every training row
 whose prompt is also in the evaluation set is removed, so the two are disjoint
 whatever the curriculum, the shuffle seed or the epoch.
@@ -31,6 +33,7 @@ from typing import Any
 from datasets import Dataset, load_dataset
 
 from bucket.config import ConfigError
+from rollout_worker.datasets.spec import is_reasoning_gym
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 # Curriculum levels of the built-in arithmetic: operands in [0, max] (level 0 first).
@@ -162,6 +165,10 @@ def read_dataset(spec: str, split: str = "train") -> Dataset:
         ds = arithmetic()
     elif spec.startswith("gsm8k:"):
         ds = _gsm8k(spec.removeprefix("gsm8k:"))
+    elif is_reasoning_gym(spec):
+        from rollout_worker.datasets import reasoning_gym  # imported only when used: it takes a second or two
+
+        ds = reasoning_gym.train_dataset(spec)
     elif os.path.isfile(spec):
         ds = _read_file(spec)
     elif os.path.splitext(spec)[1].lower() in FILE_KINDS:
@@ -209,6 +216,11 @@ def load_data(dataset: str, eval_dataset: str, eval_size: int, split: str = "tra
     train = read_dataset(dataset, split)
     if eval_size == 0:
         ev, name = train.select([]), "none"
+    elif is_reasoning_gym(eval_dataset or dataset):
+        from rollout_worker.datasets import reasoning_gym
+
+        spec = eval_dataset or dataset  # a reasoning-gym eval dataset is its held-out draw, never its training one
+        ev, name = reasoning_gym.eval_dataset(spec, eval_size), reasoning_gym.describe(spec, eval_size)
     elif eval_dataset:
         ev, name = read_dataset(eval_dataset, split), eval_dataset
         ev = ev.select(range(min(eval_size, len(ev))))

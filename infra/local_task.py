@@ -1,0 +1,43 @@
+"""`brigade local --local.task`: which task the default run trains, as [rollout] settings (issue 30, item 7).
+
+    sums           the built-in sums with their curriculum (`arithmetic`): what `brigade local` always ran
+    reasoning-gym  reasoning-gym's chain_sum, 2 terms of 1 digit, the reply's last number scored by the task's
+                   score_answer: of the tasks measured for SmolLM2-135M-Instruct (issue 30: greedy, 100
+                   problems, "... Answer with just the final answer.", last number), the one it starts best at
+                   (0.27), so GRPO has groups with signal from the first step
+
+A task fills only the [rollout] fields the user did not give (by flag, TOML file or override), as the CPU
+sizing does (infra/local_sizing.py); a dataset given that the task cannot train is an error, not ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from bucket.config import ConfigError
+from rollout_worker.config import RolloutConfig
+from rollout_worker.datasets.spec import is_reasoning_gym
+
+Task = Literal["sums", "reasoning-gym"]
+
+REASONING_GYM_DATASET = "reasoning-gym:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1,extract=number"
+
+TASK_ROLLOUT: dict[str, dict[str, Any]] = {
+    "sums": {},
+    "reasoning-gym": {"dataset": REASONING_GYM_DATASET},
+}
+
+
+def task_rollout(task: str, rollout: RolloutConfig) -> RolloutConfig:
+    """The [rollout] settings of `task`: its values for the fields not given, the given ones kept."""
+    given = rollout.model_fields_set
+    if task == "reasoning-gym" and "dataset" in given and not is_reasoning_gym(rollout.dataset):
+        raise ConfigError(
+            f"--local.task reasoning-gym trains a reasoning-gym dataset, not {rollout.dataset!r}: drop "
+            "--rollout.dataset, give a reasoning-gym:TASK one, or use --local.task sums"
+        )
+    changes = {k: v for k, v in TASK_ROLLOUT[task].items() if k not in given}
+    if not changes:
+        return rollout
+    # Validated anew, so that what follows from the dataset (its reward and judge) follows from the new one too.
+    return RolloutConfig.model_validate({**rollout.model_dump(include=given), **changes})
