@@ -6,7 +6,10 @@ adapters/LATEST.json. A reader trusts a version only once its commit marker
 exists, so a trainer that dies mid-upload leaves a folder that nobody loads;
 the next trainer skips that number instead of reusing it. The claim makes the
 name exclusive even between two trainers racing for it, wherever the store
-has atomic exclusive creates (bucket/store.py).
+has atomic exclusive creates (bucket/store.py). A trainer stopped between
+COMMITTED.json and LATEST.json leaves a version committed but unannounced;
+the next trainer announces it before anything else (bucket/checkpoints.py,
+`finish_publish`).
 
 `root` is the folder the versions live in: a run's bucket has them in
 adapters/ (the default); a pool's bucket has each run's in adapters/<run_id>/
@@ -71,13 +74,14 @@ def marker_for(version: Version, files: dict[str, bytes], meta: dict[str, Any] |
     }
 
 
-def publish(
+def commit(
     store: Store,
     version: Version,
     files: dict[str, bytes],
     meta: dict[str, Any] | None = None,
     root: str = layout.ADAPTERS,
 ) -> dict[str, Any]:
+    """Write `files` as `version`, then its COMMITTED.json; the commit marker. Not yet announced (`announce`)."""
     version = Version(version)
     key = version_key(version, root)
     if store.exists(f"{key}/{layout.COMMIT_MARKER}"):
@@ -86,7 +90,24 @@ def publish(
         store.put_bytes(f"{key}/{name}", data)
     marker = marker_for(version, files, meta)
     store.put_json(f"{key}/{layout.COMMIT_MARKER}", marker)
-    store.put_json(f"{root}/LATEST.json", {"version": version, "committed_at": marker["committed_at"]})
+    return marker
+
+
+def announce(store: Store, version: Version, committed_at: float, root: str = layout.ADAPTERS) -> None:
+    """Point LATEST.json at a committed `version`: what the proxy and the mirrors follow."""
+    store.put_json(f"{root}/LATEST.json", {"version": Version(version), "committed_at": committed_at})
+
+
+def publish(
+    store: Store,
+    version: Version,
+    files: dict[str, bytes],
+    meta: dict[str, Any] | None = None,
+    root: str = layout.ADAPTERS,
+) -> dict[str, Any]:
+    """`commit`, then `announce`: the whole publish of one version."""
+    marker = commit(store, version, files, meta, root)
+    announce(store, version, marker["committed_at"], root)
     return marker
 
 
@@ -103,6 +124,17 @@ def latest_version(store: Store, root: str = layout.ADAPTERS) -> Version | None:
         return Version(store.get_json(f"{root}/LATEST.json")["version"])
     except NotFound:
         return None
+
+
+def newest_committed(store: Store, above: int = 0, root: str = layout.ADAPTERS) -> Version | None:
+    """The newest committed version above `above` (None if none): one listing, then a marker check per folder
+    from the newest down, so the usual answer (nothing above the announced one) costs one or two reads."""
+    for version in sorted(Version.among(store.list(root)), reverse=True):
+        if version <= above:
+            return None
+        if store.exists(f"{version_key(version, root)}/{layout.COMMIT_MARKER}"):
+            return version
+    return None
 
 
 def committed_versions(store: Store, root: str = layout.ADAPTERS) -> list[Version]:

@@ -31,6 +31,9 @@ log = logging.getLogger("brigade.events")
 class EventKind(StrEnum):
     PUBLISHED = "adapter_published"  # trainer: version committed in the bucket (serialize_s, upload_s)
     TRAIN_STEP = "train_step"  # trainer: one optimizer step's metrics
+    # trainer: stopped by SIGTERM / SIGINT once its step and publish were finished (signal, interrupted, step,
+    # version, published_on_stop, stop_s; trainer/stopping.py)
+    TRAINER_STOPPED = "trainer_stopped"
     # proxy: saw the new LATEST pointer, about to load it (older runs, and runs on a shared pool: rollout worker)
     DETECTED = "adapter_detected"
     FIRST_ROLLOUT = "adapter_first_rollout"  # rollout worker: first scored group of a version per replica (replica)
@@ -67,6 +70,7 @@ class EventKind(StrEnum):
 # Module-level names, so call sites read `events.PUBLISHED`.
 PUBLISHED = EventKind.PUBLISHED
 TRAIN_STEP = EventKind.TRAIN_STEP
+TRAINER_STOPPED = EventKind.TRAINER_STOPPED
 DETECTED = EventKind.DETECTED
 FIRST_ROLLOUT = EventKind.FIRST_ROLLOUT
 SHARD_WRITTEN = EventKind.SHARD_WRITTEN

@@ -3,7 +3,8 @@
 Reads scored rollout shards from the bucket, trains a rank-1 LoRA with the
 GRPO loss, and every `weight_sync_steps` optimizer steps publishes a new
 immutable adapter version plus a checkpoint of what it consumed. It knows no
-server's URL: the bucket is its only interface.
+server's URL: the bucket is its only interface. SIGTERM and SIGINT stop it
+between its moves, its step and publish finished (trainer/stopping.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,19 @@ from bucket.store import Store
 from trainer.config import TrainerConfig
 from trainer.distributed import DataParallel
 from trainer.model import check_model_dir
+from trainer.stopping import StopRequest, stop_on_signals
 from trainer.trainer import Trainer
 
 log = logging.getLogger("brigade.trainer")
 
 
 def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
+    # Installed first: a stop while the model loads lets the load finish, then exits before training.
+    with stop_on_signals() as stop:
+        return _run(settings, spec, bucket, stop)
+
+
+def _run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig, stop: StopRequest) -> int:
     store = open_bucket(bucket, create=True)
     check_model_dir(settings.model_path)
     dp = DataParallel(cpu=settings.device == "cpu")  # world size 1 unless started by a launcher
@@ -43,6 +51,7 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
     torch.manual_seed(settings.seed)
 
     trainer = Trainer(settings, store, manifest, dp)
+    trainer.stop = stop
     if dp.is_main and settings.metrics:  # one /metrics per run: the other ranks would take the same port
         trainer.metrics.serve(settings.metrics_host, settings.metrics_port)
     try:
@@ -52,26 +61,41 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
 
 
 def _train(trainer: Trainer, settings: TrainerConfig, store: Store, dp: DataParallel) -> int:
+    stop = trainer.stop
     resumed = trainer.resume()  # every rank, from the same checkpoint ...
     trainer.metrics.version.set(trainer.version)
     dp.barrier()  # ... before rank 0 writes anything
+    published: list[int] = []  # versions published after a stop was requested
     if dp.is_main:
         if trainer.step < settings.max_steps:
             progress.clear_done(store)  # resuming a finished run with a larger max_steps
-        if not resumed:
-            trainer.publish()  # version 1 = the untrained adapter (B = 0), so every rollout goes through an adapter
+        if not resumed and not stop.requested:
+            # version 1 = the untrained adapter (B = 0), so every rollout goes through an adapter
+            _publish(trainer, published)
 
     trainer.model.train()
     started = time.monotonic()
     while trainer.step < settings.max_steps:
-        # rank 0 reads the bucket; every rank trains its share of the same batch
+        # rank 0 reads the bucket; every rank trains its share of the same batch. No batch (None): rank 0 was
+        # asked to stop, and every rank leaves the loop together.
         asked = time.monotonic()
+        stop.doing = "waiting for rollouts"
         batch = decode_batch(dp.broadcast_text(encode_batch(next_batch(trainer, store)) if dp.is_main else None))
+        if batch is None:
+            break
+        stop.doing = f"step {trainer.step + 1}"
         # the wait goes into the step's event: the proxy asks for more replicas while the trainer waits
         trainer.train_step(batch, wait_s=time.monotonic() - asked)
-        if dp.is_main and (trainer.step % settings.weight_sync_steps == 0 or trainer.step == settings.max_steps):
-            trainer.publish()
+        due = trainer.step % settings.weight_sync_steps == 0 or trainer.step == settings.max_steps
+        if dp.is_main and (due or stop.requested):  # on a stop, the step just finished is published too
+            _publish(trainer, published)
 
+    if trainer.step < settings.max_steps:  # stopped by a signal
+        if dp.is_main:
+            if trainer.step > trainer.published_step:  # stopped while waiting, with steps not yet published
+                _publish(trainer, published)
+            trainer.stopped(published)
+        return 0
     if dp.is_main:
         trainer.mark_done()
     log.info(
@@ -83,19 +107,30 @@ def _train(trainer: Trainer, settings: TrainerConfig, store: Store, dp: DataPara
     return 0
 
 
-def next_batch(trainer: Trainer, store: Store) -> list[tuple[GroupId, ScoredGroup]]:
-    """The next step's groups, once the bucket has them."""
+def _publish(trainer: Trainer, published: list[int]) -> None:
+    trainer.stop.doing = f"publishing (step {trainer.step})"
+    requested = trainer.stop.requested
+    trainer.publish()
+    if requested or trainer.stop.requested:  # a version the stop waited for
+        published.append(int(trainer.version))
+
+
+def next_batch(trainer: Trainer, store: Store) -> list[tuple[GroupId, ScoredGroup]] | None:
+    """The next step's groups, once the bucket has them; None once a stop is requested (a wait is abandoned:
+    only shards were read, and the next start reads them again from its checkpoint's cursors)."""
     settings = trainer.settings
     last_data = time.monotonic()
     with trainer.metrics.waiting_for_rollouts():
         while True:
+            if trainer.stop.requested:
+                return None
             if not trainer.fill():
                 if time.monotonic() - last_data > settings.rollout_wait_s:
                     raise RuntimeError(
                         f"no new rollouts in {store.url}/rollouts for {settings.rollout_wait_s:.0f}s: is a rollout "
                         "worker running against this bucket, and can it reach the proxy?"
                     )
-                time.sleep(settings.poll_s)
+                trainer.stop.wait(settings.poll_s)
                 continue
             last_data = time.monotonic()
             batch = trainer.take_batch()
@@ -103,9 +138,13 @@ def next_batch(trainer: Trainer, store: Store) -> list[tuple[GroupId, ScoredGrou
                 return batch
 
 
-def encode_batch(batch: list[tuple[GroupId, ScoredGroup]]) -> str:
+def encode_batch(batch: list[tuple[GroupId, ScoredGroup]] | None) -> str:
+    """JSON for the other ranks; `null` for no batch (stop)."""
+    if batch is None:
+        return "null"
     return json.dumps([[str(gid), group.model_dump(mode="json")] for gid, group in batch])
 
 
-def decode_batch(text: str) -> list[tuple[GroupId, ScoredGroup]]:
-    return [(GroupId.parse(gid), ScoredGroup(**group)) for gid, group in json.loads(text)]
+def decode_batch(text: str) -> list[tuple[GroupId, ScoredGroup]] | None:
+    data = json.loads(text)
+    return None if data is None else [(GroupId.parse(gid), ScoredGroup(**group)) for gid, group in data]

@@ -37,6 +37,7 @@ from trainer.model import (
     optimizer_bytes,
 )
 from trainer.packing import FLEX_BLOCK, build, row_quantum, row_tokens, rows
+from trainer.stopping import StopRequest, hold_publish
 
 log = logging.getLogger("brigade.trainer")
 
@@ -60,6 +61,8 @@ class Trainer:
         self.buffer = RolloutBuffer(store, manifest.max_staleness)
         self.version = Version(0)  # the last version published (0 = nothing yet)
         self.step = 0
+        self.published_step = 0  # the step of the last version published (or resumed from)
+        self.stop = StopRequest()  # set by SIGTERM / SIGINT when trainer/main.py runs the job (trainer/stopping.py)
         self.trained: list[GroupId] = []  # since the last checkpoint
         self.skipped: list[GroupId] = []  # zero reward variance, since the last checkpoint
         self.groups_trained = 0  # over the whole run, up to the last checkpoint
@@ -68,17 +71,33 @@ class Trainer:
 
     # -- resume ---------------------------------------------------------------
     def resume(self) -> bool:
-        """Load the newest checkpoint's adapter, optimizer and buffer; False when the run is new."""
+        """Load the newest checkpoint's adapter, optimizer and buffer; False when the run is new.
+
+        First, rank 0 completes a publish that a stopped trainer left committed but unannounced (bucket/
+        checkpoints.py), so every rank resumes from that version: what it consumed is not read again.
+        """
+        finished = checkpoints.finish_publish(self.store) if self.dp.is_main else None
+        self.dp.barrier()
         state = checkpoints.load_latest(self.store)
         if state is None:
             return False
         load_adapter_weights(self.model, adapters.read_verified(self.store, state.version))
         load_optimizer(self.optimizer, checkpoints.load_file(self.store, state.version, OPTIMIZER_FILE))
         self.buffer.restore(state)
-        self.version, self.step = state.version, state.step
+        self.version, self.step, self.published_step = state.version, state.step, state.step
         self.groups_trained, self.groups_dropped_stale = state.groups_trained, state.groups_dropped_stale
         self.groups_skipped = state.groups_skipped_zero_variance
         log.info("resumed from checkpoint %s at step %d", state.version.folder, state.step)
+        if finished is not None and finished == state.version:
+            marker = adapters.commit_marker(self.store, finished) or {}
+            self.events.emit(
+                events.PUBLISHED,
+                version=finished,
+                lora_name=self.manifest.lora_name(finished),
+                step=state.step,
+                committed_at=marker.get("committed_at"),
+                announced_on_restart=True,  # its trainer stopped between the commit and the announcement
+            )
         return True
 
     # -- reading rollouts -------------------------------------------------------
@@ -212,10 +231,14 @@ class Trainer:
         files = adapter_files(self.model)
         meta = {"step": self.step, "lora_name": lora_name, **canary_fields(self.model)}
         t1 = time.monotonic()
-        marker = adapters.publish(self.store, version, files, meta=meta)
-        serialize_s, upload_s = t1 - t0, time.monotonic() - t1
+        marker = adapters.commit(self.store, version, files, meta=meta)
+        t2 = time.monotonic()
+        hold_publish(version, self.stop)  # a test-only seam (trainer/stopping.py); returns at once otherwise
+        t3 = time.monotonic()
+        adapters.announce(self.store, version, marker["committed_at"])
+        serialize_s, upload_s = t1 - t0, (t2 - t1) + (time.monotonic() - t3)
         checkpoints.point_latest(self.store, version)
-        self.version = version
+        self.version, self.published_step = version, self.step
         self.groups_trained, self.groups_dropped_stale, self.groups_skipped = (
             groups_trained,
             groups_dropped_stale,
@@ -234,6 +257,27 @@ class Trainer:
         log.info("published adapter %s (%s) at step %d", version.folder, lora_name, self.step)
         self.trained, self.skipped = [], []
         self.buffer.clear_records()
+
+    def stopped(self, published: list[int]) -> None:
+        """The `trainer_stopped` event and log line: which signal, what it interrupted, what was finished."""
+        stop = self.stop
+        fields = {
+            "signal": stop.signal,
+            "interrupted": stop.interrupted,
+            "step": self.step,
+            "version": self.version,
+            "published_on_stop": published,  # versions published after the signal (the step in flight's)
+            "stop_s": round(time.monotonic() - stop.at, 3) if stop.at is not None else None,
+        }
+        self.events.emit(events.TRAINER_STOPPED, **fields)
+        log.info(
+            "trainer_stopped: %s while %s; finished step %d, last version %s%s; a restart continues from it",
+            stop.signal,
+            stop.interrupted,
+            self.step,
+            self.version.folder if self.version else "none",
+            f" (published on stop: {published})" if published else "",
+        )
 
     def mark_done(self) -> None:
         progress.mark_done(self.store, progress.TrainerDone(step=self.step, version=self.version))
