@@ -9,6 +9,10 @@ the bucket as an `eval` event, which `brigade summary` and the dashboard read.
 
 Each evaluation is bounded by `eval_timeout_s` as in the worker: one past it is cut, recorded as partial
 (`partial: true`, `cut`, `planned`) and printed as such, never as the version's accuracy.
+
+`--pool URL` (or `rollout.pool_url`): the run trains on a shared pool, and the versions are evaluated there,
+with the run's token (`$BRIGADE_POOL_TOKEN`, `rollout.pool_token_env`, or `--pool-token-file`); eval_pool.py
+says how the run is held and its versions made live on the pool.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from bucket.rollouts import SamplingParams
 from bucket.store import BucketError, Store
 from bucket.version import Version
 from infra.config import Config, Flags, add_flags, load
+from infra.eval_pool import open_pool, read_token
 from jobkit.entry import setup_logging
 
 DESCRIPTION = (
@@ -47,6 +52,9 @@ FLAGS: Flags = {
         "eval_timeout_s",
         "eval_judge",
         "request_timeout_s",
+        "pool_url",
+        "pool_token_env",
+        "pool_weight",
     ],
 }
 
@@ -85,31 +93,43 @@ async def _load(client: httpx.AsyncClient, manifest: RunManifest, version: Versi
     raise ConfigError(f"the proxy could not load version {version} (HTTP {resp.status_code}): {resp.text[:300]}")
 
 
-async def evaluate_versions(config: Config, versions_text: str) -> list[dict[str, Any]]:
+async def evaluate_versions(config: Config, versions_text: str, token_file: str | None = None) -> list[dict[str, Any]]:
     from rollout_worker.evaluation import Evaluator
     from rollout_worker.generation import Generator
     from rollout_worker.main import wait_for_proxy
+    from rollout_worker.pool_client import auth_headers
     from rollout_worker.prompts import load_data
 
     rc = config.rollout
+    url = rc.pool_url or rc.proxy_url
+    token, source = read_token(rc.pool_token_env, url, token_file) if rc.pool_url else ("", "")
     store = open_bucket(config.bucket)
     manifest = read_manifest(store)
     versions = parse_versions(versions_text, store)
     data = load_data(rc.dataset, rc.eval_dataset, rc.eval_size or 200, rc.dataset_split)
     ev = EventLog(store, "eval")
     results = []
-    async with httpx.AsyncClient(base_url=rc.proxy_url, timeout=rc.request_timeout_s) as client:
-        await wait_for_proxy(client, rc.proxy_url, 30)
+    on_pool = None
+    async with httpx.AsyncClient(base_url=url, timeout=rc.request_timeout_s, headers=auth_headers(token)) as client:
+        await wait_for_proxy(client, url, 30, "the pool's proxy or fix --pool" if rc.pool_url else "`brigade proxy`")
+        if rc.pool_url:
+            on_pool = open_pool(url, token, source, rc.pool_token_env, store, manifest, rc.pool_weight)
+            await on_pool.hold()
         generator = Generator(client, manifest.base_model, SamplingParams(temperature=0.0), rc.eval_max_tokens)
         evaluator = Evaluator(client, generator, data, rc.eval_judge, rc.eval_max_tokens)
         try:
             for v in versions:
                 model = manifest.base_model if v == 0 else manifest.lora_name(v)
-                loaded = v != 0 and await _load(client, manifest, v)
+                if on_pool is not None:
+                    loaded = v != 0 and await on_pool.prepare(v)
+                else:
+                    loaded = v != 0 and await _load(client, manifest, v)
                 try:
                     result = await evaluator.evaluate(v, model, rc.eval_timeout_s or None)  # 0: no bound
                 finally:
-                    if loaded:
+                    if loaded and on_pool is not None:
+                        await on_pool.release(v)
+                    elif loaded:
                         await client.post("/v1/unload_lora_adapter", json={"lora_name": model})
                 evaluator.emit(ev, result, model)
                 row: dict[str, Any] = {
@@ -131,6 +151,8 @@ async def evaluate_versions(config: Config, versions_text: str) -> list[dict[str
                 results.append(row)
         finally:
             evaluator.close()
+            if on_pool is not None:
+                await on_pool.close()
     print(f"evaluation set: {data.eval_name} (id {data.eval_id})")
     return results
 
@@ -141,6 +163,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--versions", default="0,latest", help="Comma-separated: 0 = the base model, N, 'latest', or 'all'."
     )
+    parser.add_argument(
+        "--pool",
+        metavar="URL",
+        help="Evaluate on a shared pool's proxy (rollout.pool_url), with the run's token from "
+        "$BRIGADE_POOL_TOKEN (rollout.pool_token_env) or --pool-token-file.",
+    )
+    parser.add_argument(
+        "--pool-token-file", metavar="PATH", help="A file holding the run's pool token (instead of the environment)."
+    )
     add_flags(parser, FLAGS)
     return parser
 
@@ -149,7 +180,10 @@ def main(argv: list[str] | None = None, prog: str = "brigade eval") -> int:
     args = build_parser(prog).parse_args(argv)
     setup_logging(args.log_level or "INFO")
     try:
-        results = asyncio.run(evaluate_versions(load(args), args.versions))
+        config = load(args, overrides={"rollout.pool_url": args.pool} if args.pool else None)
+        if args.pool_token_file and not config.rollout.pool_url:
+            raise ConfigError("--pool-token-file is for a pool: give --pool URL too")
+        results = asyncio.run(evaluate_versions(config, args.versions, args.pool_token_file))
     except (ConfigError, BucketError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -110,6 +110,7 @@ class PoolSession:
         poll_s: float = 0.5,
         attach_retry_s: float = ATTACH_RETRY_S,
         worker: str = "",
+        transport: httpx.AsyncBaseTransport | None = None,  # in-process tests: the pool's app itself
     ) -> None:
         try:
             self.run_id = pool_contract.check_run_id(manifest.run_id)
@@ -118,7 +119,9 @@ class PoolSession:
         self.url, self.token_env, self.manifest, self.store = url.rstrip("/"), token_env, manifest, store
         self.weight, self.poll_s, self.attach_retry_s = weight, poll_s, attach_retry_s
         # Its own client: a lease renewal must not wait behind generations for a connection.
-        self.client = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=CONTROL_TIMEOUT_S)
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers=auth_headers(token), timeout=CONTROL_TIMEOUT_S, transport=transport
+        )
         self.lease_s = DEFAULT_LEASE_S
         self.attachments = 0  # admissions so far: the publisher asks the pool again what is live after each one
         self.path = f"/pool/runs/{self.run_id}"
