@@ -2,8 +2,8 @@
 
 Replicas come from the bucket registry (alive while they heartbeat) or from a
 static list (alive while they answer /health). A new replica receives traffic
-only once it holds every loaded adapter, so a rollout never lands on a replica
-that lacks the adapter it names; one that is gone or restarted (a restart
+only once it holds every loaded adapter (handover.py gives them), so a rollout
+never lands on a replica that lacks the adapter it names; one that is gone or restarted (a restart
 loses its adapters) stops receiving traffic at the next refresh.
 
 A replica that fails is *ejected* long before its heartbeat times out: at
@@ -29,15 +29,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-import httpx
-
-from bucket import adapters, events
-from bucket.canary import read_canary
+from bucket import events
 from bucket.replicas import DrainRelease, LivenessTracker, ReplicaInfo, list_replicas
-from bucket.version import BadVersion, Version
 from proxy.event_writer import EventWriter
-from proxy.lora_paths import AdapterRef
 from proxy.replicas.drains import Drains
+from proxy.replicas.handover import Handover
 from proxy.replicas.health import HealthChecks
 from proxy.replicas.upstream import Upstream
 from proxy.state import ProxyState
@@ -98,9 +94,8 @@ class Membership:
         self.drains = Drains(state)  # replicas that asked to leave, until they may go
         self.on_removed = on_removed
         self.after_join = after_join
-        self.loaded_changed = loaded_changed
         self.may_join = may_join
-        self._recorded: set[tuple[str, str]] = set()  # (replica, lora name) whose join load this proxy recorded
+        self.handover = Handover(state, upstream, events, loaded_changed)  # what a joiner is given, what is adopted
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -109,7 +104,7 @@ class Membership:
         # every replica (and any that joins later) gets all of it.
         try:
             for info in await self.discover():
-                await self._adopt(info)
+                await self.handover.adopt(info)
         except Exception as exc:
             log.warning("could not look for adapters the replicas already serve: %s", exc)
         await self.refresh()
@@ -314,7 +309,9 @@ class Membership:
                     log.warning("replica %s cannot join: %s; retrying in %.0fs", rid, problem, JOIN_RETRY_S)
                     self._retry_join_later(rid)
                     return
-                if not await self._give_loaded_adapters(info):
+                problem = await self.handover.give_loaded(info)
+                if problem is not None:
+                    log.warning("replica %s cannot join yet: %s; retrying in %.0fs", rid, problem, JOIN_RETRY_S)
                     self._retry_join_later(rid)
                     return
                 problem = await self.after_join(info)
@@ -348,63 +345,3 @@ class Membership:
         finally:
             if self.joining.get(rid) is asyncio.current_task():
                 self.joining.pop(rid, None)
-
-    async def _give_loaded_adapters(self, info: ReplicaInfo) -> bool:
-        """Load every adapter in `loaded` on a joiner (caller holds the adapter lock); False at the first failure."""
-        rid = info.replica_id
-        for ad in list(self.state.loaded.values()):
-            t0 = time.monotonic()
-            res = await self.upstream.load_on(info, ad, t0 + self.state.config.load_retry_s)
-            if not res.ok:
-                self.state.metrics.load_failures.labels(rid).inc()
-                log.warning(
-                    "replica %s cannot join yet: loading %s failed (%s); retrying in %.0fs",
-                    rid,
-                    ad.lora_name,
-                    res.reason,
-                    JOIN_RETRY_S,
-                )
-                return False
-            # Recorded even where the replica had it already: this proxy may never have recorded that load (it
-            # adopted the adapter after a restart that cut the fan-out short, or the replica was ejected after a
-            # load whose answer or probe failed), and without a record the bucket cannot show that every sample
-            # of a group came from a replica serving its version (the audit counted such groups as mixed). Late
-            # joins are never sync events. Once per replica and version unless loaded anew: a joiner that fails its
-            # probe is given everything again every JOIN_RETRY_S.
-            if not res.newly and (rid, ad.lora_name) in self._recorded:
-                continue
-            self._recorded.add((rid, ad.lora_name))
-            await self.events.emit(
-                events.LOADED,
-                version=ad.version,
-                lora_name=ad.lora_name,
-                replica=rid,
-                seconds=round(res.done_at - t0, 4),
-                attempts=res.attempts,
-                already_loaded=not res.newly,
-                late_join=True,
-            )
-        return True
-
-    async def _adopt(self, info: ReplicaInfo) -> None:
-        """Remember the committed bucket adapters this replica already serves (after a proxy restart)."""
-        try:
-            resp = await self.upstream.probe(info, "/v1/models")
-            cards = resp.json().get("data", []) if resp.status_code == 200 else []
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return
-        loaded = self.state.loaded
-        for card in cards:
-            name, root = card.get("id"), card.get("root")
-            if not card.get("parent") or not isinstance(root, str) or name in loaded:
-                continue
-            try:
-                version = Version.parse(root, only="path")
-            except BadVersion:
-                continue  # not one of the bucket's versions (a client's own adapter folder)
-            marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
-            if marker is None:
-                continue
-            loaded[name] = AdapterRef(name, version, read_canary(marker))
-            log.info("adopted adapter %s (%s) already served by %s", name, version.folder, info.replica_id)
-            self.loaded_changed()
