@@ -175,9 +175,9 @@ def audit(store: Store) -> dict[str, Any]:
     group_size = read_manifest(store).num_generations
     joined = joins(evs)
     mixed = _mixed(scored, evs, set(committed), group_size)
-    # A version committed but never announced in adapters/LATEST.json: its trainer stopped between the two
-    # writes (SIGTERM at the end of a run). Nobody loads it and the next trainer skips its number, so it is not
-    # part of the run's lineage; it is reported, not counted against it.
+    # A version committed but never announced in adapters/LATEST.json: its trainer was killed between the two
+    # writes (a SIGTERM lets the publish finish) and has not restarted since; a restart announces it and
+    # resumes from it. Nobody loaded it, so it is not part of the lineage yet; reported, not counted against it.
     announced = adapters.latest_version(store) or 0
     unannounced = sorted(v for v in committed if v > announced)
     return {
