@@ -24,7 +24,9 @@ from bucket.version import Version
 #   1: first release
 #   2: shards carry typed sampling parameters; typed trainer progress and done marker
 #   3: run.json records the tokenizer's fingerprint (bucket/tokenizer_id.py)
-FORMAT_VERSION = 3
+#   4: a sample is an episode's token stream: per-token loss_mask and per-request turns (bucket/rollouts.py);
+#      a format-3 trainer would train the environment's and template's tokens as if the model had sampled them
+FORMAT_VERSION = 4
 
 
 class RunSpec(BaseModel):

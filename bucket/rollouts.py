@@ -33,11 +33,58 @@ class SamplingParams(BaseModel):
     top_k: int = Field(-1, description="-1 = no top-k (vLLM's convention)")
 
 
+class Turn(BaseModel):
+    """One generation request's span of an episode's `completion_ids`: the tokens it sampled, who served them.
+
+    `[start, end)` are offsets into `Sample.completion_ids` of the tokens this request sampled (the model's
+    reply of that turn); the template, environment and tool tokens between two turns lie outside every span.
+    Spans are in stream order and do not overlap. A turn is usually one request; a later in-flight version
+    switch (issue 31) records a turn continued under a newer version as two adjacent spans, so every sampled
+    token's version is the version of the span holding it.
+    """
+
+    model_config = {"extra": "forbid"}
+
+    start: int = Field(ge=0, description="offset in completion_ids of the first token this request sampled")
+    end: int = Field(ge=0, description="offset one past the last token this request sampled")
+    version: int = Field(ge=0, description="0 = base model, else the adapter version that served this request")
+    replica: str = Field("", description="replica that served this request (proxy's x-brigade-replica header)")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Turn:
+        if self.end <= self.start:
+            raise ValueError(f"turn span [{self.start}, {self.end}) is empty or reversed: a turn samples >= 1 token")
+        return self
+
+
 class Sample(BaseModel):
+    """One completion of a group: a single reply, or a whole multi-turn episode, in one format.
+
+    `completion_ids` is the token stream after the group's `prompt_ids`, exactly as the model saw it: for one
+    turn, the sampled tokens; for an episode, every turn's sampled tokens with the template, environment and
+    tool tokens appended between turns (never re-tokenized). `loss_mask` says which of them the trainer
+    trains on, `turns` which request sampled which of them. Both are None for a single-turn sample (the
+    one-turn case: every token sampled by one request, at the group's `adapter_version`, on `replica`), so
+    single-turn shards stay as small as before.
+    """
+
     completion_ids: list[int]
-    # vLLM's logprob of each sampled token under the adapter version that
-    # generated it: the denominator of the trainer's importance ratio.
+    # vLLM's logprob of each sampled token under the adapter version that generated it: the denominator of the
+    # trainer's importance ratio. One entry per completion token; at masked positions (loss_mask 0) the value is
+    # never read (writers put 0.0 there).
     logprobs: list[float]
+    loss_mask: list[int] | None = Field(
+        None,
+        description="one per completion token: 1 = sampled by the model and trained, 0 = template, environment or "
+        "tool token (context only: never a loss term, never in a ratio, entropy or token count). None = all 1",
+    )
+    turns: list[Turn] | None = Field(
+        None,
+        description="the spans of completion_ids each generation request sampled, in order; every mask-1 token "
+        "lies in one. None = one turn over the whole stream at the group's adapter_version",
+    )
+    # The text reward functions are given: the completion's text, or for an episode the decoded stream after
+    # the prompt (replies and the messages between them).
     text: str
     reward: float
     finish_reason: str | None = None
@@ -45,23 +92,86 @@ class Sample(BaseModel):
     # What the replica said served it (vLLM's `model` field): the base model or "<run_id>-v000007". A shared
     # pool's audit reads it: a run's rollouts must never have been generated with another run's adapter.
     model: str = Field("", description="the model name the replica answered under")
+    # Episode facts for the summary (issue 30 item 8); 0 / "" for a single-turn sample.
+    tool_calls: int = Field(0, ge=0, description="tool calls the episode made")
+    env_error: str = Field("", description="why the environment ended the episode early ('' = it did not)")
 
     @model_validator(mode="after")
-    def _one_logprob_per_token(self) -> Sample:
-        if len(self.logprobs) != len(self.completion_ids):
-            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens")
+    def _lengths_agree(self) -> Sample:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n:
+            raise ValueError(
+                f"{len(self.logprobs)} logprobs for {n} completion tokens: write one logprob per completion "
+                "token (0.0 at masked positions)"
+            )
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != n:
+                raise ValueError(
+                    f"loss_mask has {len(self.loss_mask)} entries for {n} completion tokens: write one per token "
+                    "(1 = sampled by the model, 0 = template, environment or tool token)"
+                )
+            bad = sorted({m for m in self.loss_mask if m not in (0, 1)})
+            if bad:
+                raise ValueError(f"loss_mask holds {bad}: only 0 (not trained) and 1 (trained) are allowed")
+        if self.turns is not None:
+            self._check_turns(self.turns, n)
         return self
+
+    def _check_turns(self, turns: list[Turn], n: int) -> None:
+        if not turns:
+            raise ValueError("turns is empty: leave it None for a single-turn sample, else list every request")
+        prev_end = 0
+        for i, t in enumerate(turns):
+            if t.start < prev_end or t.end > n:
+                raise ValueError(
+                    f"turn {i} spans [{t.start}, {t.end}), which overlaps the previous turn (ending at {prev_end}) "
+                    f"or runs past the {n} completion tokens: spans are in order, disjoint, inside completion_ids"
+                )
+            prev_end = t.end
+        if self.loss_mask is not None:
+            inside = set()
+            for t in turns:
+                inside.update(range(t.start, t.end))
+            outside = [i for i, m in enumerate(self.loss_mask) if m and i not in inside]
+            if outside:
+                raise ValueError(
+                    f"loss_mask marks tokens {outside[:8]} as sampled, but no turn span holds them: every trained "
+                    "token needs the version that sampled it"
+                )
+
+    @property
+    def mask(self) -> list[int]:
+        """The loss mask with None spelled out (all 1)."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens the trainer trains on (mask 1)."""
+        return sum(self.loss_mask) if self.loss_mask is not None else len(self.completion_ids)
 
 
 class ScoredGroup(BaseModel):
     prompt_id: str
     prompt: str
     prompt_ids: list[int]
-    adapter_version: int = Field(description="0 = base model, else the adapter version that generated every sample")
+    adapter_version: int = Field(
+        description="0 = base model, else the version every sample's first turn was generated with (an "
+        "episode's version: the trainer's staleness counts from it; per-request versions are in Sample.turns)"
+    )
     sampling: SamplingParams
     samples: list[Sample]
     generated_at: float = Field(default_factory=time.time)
     extra: dict[str, Any] = Field(default_factory=dict, description="dataset columns, for reading a run; not trained")
+
+    @model_validator(mode="after")
+    def _episodes_start_at_the_group_version(self) -> ScoredGroup:
+        for k, s in enumerate(self.samples):
+            if s.turns and s.turns[0].version != self.adapter_version:
+                raise ValueError(
+                    f"sample {k}'s first turn was served by version {s.turns[0].version}, the group says "
+                    f"{self.adapter_version}: adapter_version is the version every episode began with"
+                )
+        return self
 
 
 class RolloutShard(BaseModel):
@@ -97,7 +207,8 @@ class ShardWriter:
         return self._log.next_seq
 
     def write(self, groups: list[ScoredGroup]) -> str:
-        return self._log.append(RolloutShard(worker=self.worker, groups=groups).model_dump())
+        # None fields (a single-turn sample's loss_mask and turns) are left out: their default is None
+        return self._log.append(RolloutShard(worker=self.worker, groups=groups).model_dump(exclude_none=True))
 
 
 @dataclass(frozen=True)
