@@ -10,7 +10,7 @@ from rollout_worker.datasets.spec import is_reasoning_gym, parse
 
 # The reward (and evaluation judge) of a reasoning-gym dataset when none is named: the task's own score_answer
 # on the answer the row's extraction rule takes from the reply (rollout_worker/datasets/reasoning_gym.py).
-REASONING_GYM_REWARD = "rollout_worker.datasets.reasoning_gym:reasoning_gym_reward"
+REASONING_GYM_REWARD = "rollout_worker.datasets.scoring:reasoning_gym_reward"
 
 
 class RolloutConfig(BaseModel):

@@ -17,80 +17,25 @@ task's config and a seed, and judges an answer with the task's `score_answer(ans
 - A row carries what scoring needs, as plain columns: `rg_entry` (the entry, entry_codec JSON), `rg_source`
   (the task, its options and level: the config score_answer runs with), `rg_extract` (the extraction rule);
   `answer` is the entry's answer as text, for readers and for other reward functions.
-- `reasoning_gym_reward` is a reward function like any other (TRL's signature): the reply's answer by the
-  row's rule (extraction.py), then the task's score_answer on it and the entry.
+- scoring.py's `reasoning_gym_reward` is a reward function like any other (TRL's signature): the reply's
+  answer by the row's rule (extraction.py), then the task's score_answer on it and the entry (tasks.py builds
+  the task's dataset for both).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
 import hashlib
-import json
 from typing import Any
 
-import reasoning_gym
 from datasets import Dataset
-from reasoning_gym.factory import CURRICULA, DATASETS
 
 from rollout_worker.datasets import entry_codec
-from rollout_worker.datasets.extraction import INSTRUCTIONS, extract
-from rollout_worker.datasets.spec import DEFAULT_SIZE, SpecError, TaskSpec, parse
-from rollout_worker.rewards import completion_text
+from rollout_worker.datasets.extraction import INSTRUCTIONS
+from rollout_worker.datasets.spec import DEFAULT_SIZE, TaskSpec, parse
+from rollout_worker.datasets.tasks import check_task, draw, source
 
-REWARD = "rollout_worker.datasets.reasoning_gym:reasoning_gym_reward"
 EVAL_SEED_OFFSET = 2**30  # held-out seeds sit this far above the training ones (training seeds are below it)
 EVAL_DRAWS = 8  # draws per held-out entry wanted, at most: a small task repeats questions
-NOT_TASKS = ("composite",)  # reasoning-gym's mixer of other tasks; the spec's '+' mixes instead
-
-
-def known_tasks() -> list[str]:
-    return sorted(n for n in DATASETS if n not in NOT_TASKS)
-
-
-def check_task(name: str) -> None:
-    if name in DATASETS and name not in NOT_TASKS:
-        return
-    close = difflib.get_close_matches(name, known_tasks(), n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise SpecError(
-        f"reasoning-gym {reasoning_gym.__version__} has no task {name!r}{hint}; its tasks: {', '.join(known_tasks())}"
-    )
-
-
-def task_config(spec: TaskSpec, level: int) -> Any:
-    """The task's config dataclass at one of its levels (0-based, below spec.levels), the options applied."""
-    check_task(spec.task)
-    config_cls = DATASETS[spec.task][1]
-    if spec.levels == 1:
-        base = config_cls()
-    elif spec.task not in CURRICULA:
-        raise SpecError(
-            f"reasoning-gym task {spec.task} has no curriculum: levels={spec.levels} needs one "
-            f"(tasks without: {', '.join(sorted(set(known_tasks()) - set(CURRICULA)))}); drop levels"
-        )
-    else:
-        curriculum = CURRICULA[spec.task]()
-        for attr in curriculum.attributes.values():
-            curriculum.set_attr_level(attr.name, min(level, len(attr.levels) - 1))
-        base = curriculum.generate_configuration()
-    fields = {f.name for f in dataclasses.fields(config_cls)} - {"seed", "size"}
-    unknown = sorted(set(spec.options) - fields)
-    if unknown:
-        raise SpecError(
-            f"reasoning-gym task {spec.task} has no option {', '.join(unknown)}; its config fields: "
-            f"{', '.join(sorted(fields))}; brigade's own: weight, extract, levels, size"
-        )
-    config = dataclasses.replace(base, **spec.options)
-    try:
-        if hasattr(config, "validate"):
-            config.validate()
-    except (AssertionError, ValueError, TypeError) as exc:
-        raise SpecError(
-            f"reasoning-gym task {spec.task} at level {level}: invalid config ({exc or 'a check failed'})"
-        ) from None
-    return config
 
 
 def _seed(task: str, level: int) -> int:
@@ -98,10 +43,6 @@ def _seed(task: str, level: int) -> int:
     (EVAL_SEED_OFFSET higher) never meets a training one; below 2**32 either way (numpy seeds must be)."""
     digest = hashlib.sha256(f"brigade/reasoning-gym/{task}/{level}".encode()).digest()
     return int.from_bytes(digest[:4], "big") % (EVAL_SEED_OFFSET // 2)
-
-
-def _source(spec: TaskSpec, task_level: int) -> str:
-    return json.dumps({"task": spec.task, "options": spec.options, "levels": spec.levels, "level": task_level})
 
 
 def _row(spec: TaskSpec, level: int, task_level: int, kind: str, i: int, entry: dict[str, Any]) -> dict[str, Any]:
@@ -114,14 +55,9 @@ def _row(spec: TaskSpec, level: int, task_level: int, kind: str, i: int, entry: 
         "level": level,
         "rg_task": spec.task,
         "rg_entry": entry_codec.dumps(entry),
-        "rg_source": _source(spec, task_level),
+        "rg_source": source(spec, task_level),
         "rg_extract": spec.extract,
     }
-
-
-def _draw(spec: TaskSpec, task_level: int, seed: int, size: int) -> Any:
-    config = dataclasses.replace(task_config(spec, task_level), seed=seed, size=size)
-    return DATASETS[spec.task][0](config=config)
 
 
 def _shares(total: int, weights: list[float]) -> list[int]:
@@ -149,7 +85,7 @@ def train_dataset(spec: str) -> Dataset:
             if not size:
                 continue
             task_level = min(level, t.levels - 1)
-            ds = _draw(t, task_level, _seed(t.task, level), size)
+            ds = draw(t, task_level, _seed(t.task, level), size)
             rows += [_row(t, level, task_level, "t", i, ds[i]) for i in range(size)]
     return Dataset.from_list(rows)
 
@@ -164,7 +100,7 @@ def eval_dataset(spec: str, size: int) -> Dataset:
             if not want:
                 continue
             task_level = min(level, t.levels - 1)
-            ds = _draw(t, task_level, _seed(t.task, level) + EVAL_SEED_OFFSET, want * EVAL_DRAWS)
+            ds = draw(t, task_level, _seed(t.task, level) + EVAL_SEED_OFFSET, want * EVAL_DRAWS)
             seen: set[str] = set()
             for i in range(want * EVAL_DRAWS):
                 entry = ds[i]
@@ -181,40 +117,3 @@ def describe(spec: str, size: int) -> str:
     tasks = parse(spec)
     mix = " + ".join(f"{t.task}" + (f" x{t.weight:g}" if len(tasks) > 1 else "") for t in tasks)
     return f"reasoning-gym: {size} held-out entries of {mix}, drawn with seeds of their own"
-
-
-# -- the reward --------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=64)
-def _task_dataset(source: str) -> Any:
-    """The task's dataset at the row's config, for its score_answer (some read their config: tolerances,
-    bounds); one per config in each reward process."""
-    s = json.loads(source)
-    spec = TaskSpec(s["task"], s["options"], levels=s["levels"])
-    return _draw(spec, s["level"], 0, 1)
-
-
-def score(completion: str, entry_json: str, source: str, rule: str) -> float:
-    """What the task's score_answer gives the completion's answer (by `rule`) for the row's entry."""
-    entry = entry_codec.loads(entry_json)
-    try:
-        return float(_task_dataset(source).score_answer(extract(completion, rule), entry))
-    except Exception:  # noqa: BLE001 - a task's scorer choking on a malformed answer: a wrong answer, not a failure
-        return 0.0
-
-
-def reasoning_gym_reward(
-    completions: list[Any],
-    rg_entry: list[str | None] | None = None,
-    rg_source: list[str | None] | None = None,
-    rg_extract: list[str | None] | None = None,
-    **_: object,
-) -> list[float | None]:
-    """The task's score_answer of each completion's answer (0..1); None for rows that are not reasoning-gym's."""
-    n = len(completions)
-    entries, sources, rules = rg_entry or [None] * n, rg_source or [None] * n, rg_extract or [None] * n
-    out: list[float | None] = []
-    for c, e, s, r in zip(completions, entries, sources, rules):
-        out.append(None if e is None or s is None or r is None else score(completion_text(c), e, s, r))
-    return out
