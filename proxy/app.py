@@ -18,9 +18,11 @@ Three jobs, in order of how much they matter to a run:
 The parts share one `ProxyState` (state.py) and one `Upstream` HTTP client
 (replicas/upstream.py). `Proxy.__init__` builds them in dependency order and
 hands each its collaborators' callbacks as constructor arguments: the one
-place that says who calls whom. `create_app` puts HTTP on top, with the
-handlers of endpoints.py. The proxy never imports torch or vLLM: it must
-start on a CPU box next to the rollout worker.
+place that says who calls whom. What the proxy says about itself
+(/server_info, /health, live metrics, routing snapshots) is status.py.
+`create_app` puts HTTP on top, with the handlers of endpoints.py. The proxy
+never imports torch or vLLM: it must start on a CPU box next to the rollout
+worker.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from bucket import events as ev
 from bucket.events import EventLog
 from bucket.manifest import RunManifest
 from bucket.pool import PoolManifest
@@ -64,6 +65,7 @@ from proxy.serving.forwarding import Forwarder, SendGeneration
 from proxy.serving.pool import ReplicaConnections
 from proxy.serving.slots import run_of_model
 from proxy.state import ProxyState
+from proxy.status import ProxyStatus
 
 log = logging.getLogger("brigade.proxy")
 
@@ -105,7 +107,9 @@ class Proxy:
         )
         router = PrefixRouter(config.block_size, config.spill_threshold, config.max_routing_blocks)
         # Every part below gets its collaborators at construction, in dependency order; nothing is re-wired later.
-        self.state = ProxyState(config, store, manifest, router, ProxyMetrics(live=self._live_metrics))
+        # The live counters are read at each scrape, once every part (and so `status`) exists.
+        metrics = ProxyMetrics(live=lambda: self.status.live_metrics())
+        self.state = ProxyState(config, store, manifest, router, metrics)
         self.upstream = Upstream(config, transport, store)
         self.events = EventWriter(event_log if event_log is not None else EventLog(store, "proxy"))
         self.connections = ReplicaConnections(
@@ -151,6 +155,7 @@ class Proxy:
             runs = self.pool.runs.runs
             self.forwarder.set_weights(lambda run: runs[run].weight if run in runs else 1.0)
         self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
+        self.status = ProxyStatus(self.state, self.forwarder, self.membership, self.autoscaler, self.events, self.pool)
         self._snapshots: asyncio.Task | None = None
 
     def _fits_pool(self, info: ReplicaInfo) -> str | None:
@@ -191,7 +196,7 @@ class Proxy:
             await self.pool.start()  # before membership: joiners are given the versions the pool adopted
         await self.membership.start()
         await self.lifecycle.start()  # after membership: what the replicas already hold is adopted first
-        self._snapshots = asyncio.create_task(self._snapshot_forever())
+        self._snapshots = asyncio.create_task(self.status.snapshot_forever())
         await self.autoscaler.start()
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info(
@@ -275,108 +280,12 @@ class Proxy:
         scheme, _, token = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.admin_token.encode())
 
-    # -- status ------------------------------------------------------------------
-    def routing_status(self) -> dict[str, Any]:
-        router = self.router
-        return {
-            "decisions": dict(router.decisions),
-            "inflight_requests": router.inflight_all(),
-            "inflight_tokens": {r: round(v) for r, v in router.load_all().items()},
-            "waiting": self.forwarder.waiting,
-            "retries": dict(self.forwarder.retries),
-            "ejected": dict(self.membership.ejected),
-            "expected_completion_tokens": round(router.completion_tokens, 1),
-        }
-
-    def info(self) -> dict[str, Any]:
-        cfg = self.config.model_dump()  # holds the keys' variable names, never the keys
-        return {
-            "run_id": self.manifest.run_id if self.manifest else None,
-            "pool": self.pool.status() if self.pool is not None else None,
-            "bucket": self.store.url,
-            "replicas": [
-                {
-                    "replica_id": i.replica_id,
-                    "url": i.url,
-                    "adapter_root": i.adapter_root,
-                    "kv_block_size": i.block_size,
-                    "inflight": self.router.inflight(i.replica_id),
-                    "draining": i.replica_id in self.membership.draining,
-                }
-                for i in self.routable.values()
-            ],
-            "joining": sorted(self.membership.joining),
-            "ejected": dict(self.membership.ejected),
-            "loaded_adapters": {n: a.version.folder for n, a in self.loaded.items()},
-            "paused": self.paused_query is not None,
-            "routing": {
-                **self.routing_status(),
-                "known_blocks": self.router.known_blocks(),
-                "known_groups": self.router.known_groups(),
-                "shared_prefix_blocks": self.router.shared_prefix_blocks(),
-            },
-            "config": cfg,
-        }
-
+    # -- status: what the proxy says about itself (status.py) --------------------
     async def server_info(self, query: str) -> dict[str, Any]:
-        """A replica's own /server_info (vLLM serves it in dev mode only) plus the proxy's state.
-
-        `vllm_config` describes the proxy as one server (what TRL reads): a data-parallel size of 1, since
-        adapter loads reach every replica; LoRA limits the smallest of any replica's; synthesized from the run
-        and the registry when the replicas do not serve it.
-        """
-        own = await self.forwarder.replica_server_info(query)
-        config = own.get("vllm_config") if isinstance(own.get("vllm_config"), dict) else {}
-        max_loras = [i.max_loras for i in self.routable.values() if i.max_loras > 0]
-        lora = config.get("lora_config") if isinstance(config.get("lora_config"), dict) else {}
-        rank = self.manifest.lora_rank if self.manifest else 1
-        lora = {"max_lora_rank": rank, **lora, **({"max_loras": min(max_loras)} if max_loras else {})}
-        lora.setdefault("max_loras", 1)
-        parallel = config.get("parallel_config") if isinstance(config.get("parallel_config"), dict) else {}
-        model = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
-        config = {
-            **config,
-            "lora_config": lora,
-            "parallel_config": {**parallel, "data_parallel_size": 1},
-            "model_config": {"logprobs_mode": "processed_logprobs", **model},
-            "weight_transfer_config": config.get("weight_transfer_config"),
-        }
-        return {**own, "vllm_config": config, "brigade_proxy": self.info()}
+        return await self.status.server_info(query)
 
     def health(self) -> tuple[bool, str]:
-        if self.routable:
-            return True, f"{len(self.routable)} replicas receive traffic"
-        joining = self.membership.joining
-        if joining:
-            return False, f"replicas {sorted(joining)} are joining (loading adapters); none receives traffic yet"
-        if self.membership.ejected:
-            return False, f"every replica is ejected: {self.membership.ejected}"
-        source = (
-            f"replica_urls {self.config.replica_urls}"
-            if self.static
-            else f"the registry {self.store.url}/replicas (heartbeat within {self.config.replica_timeout_s:.0f}s)"
-        )
-        return False, f"no live replica in {source}"
-
-    def _live_metrics(self) -> dict[str, Any]:
-        f, m, router = self.forwarder, self.membership, self.router
-        return {
-            "decisions": router.decisions,
-            "inflight_requests": router.inflight_all(),
-            "inflight_tokens": router.load_all(),
-            "waiting": f.waiting,
-            "retries": f.retries,
-            "upstream_errors": f.upstream_errors,
-            "retired_requests": f.retired_requests,
-            "broken_answers": f.broken_answers,
-            "ejections": m.ejections,
-            "readmissions": m.readmissions,
-            "ejected": len(m.ejected),
-            "replicas": len(self.routable),
-            "known": len(self.routable) + len(m.joining),
-            "desired": self.autoscaler.desired,
-            "runs": f.fair.snapshot(),  # per-run fair-share accounts (brigade_proxy_run_*{run})
-        }
+        return self.status.health()
 
     def _load(self) -> Load:
         """What the autoscaler takes from the proxy itself at each look."""
@@ -387,20 +296,6 @@ class Proxy:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
-
-    async def _snapshot_forever(self) -> None:
-        """A routing snapshot into the bucket every snapshot_s while there is traffic, for dashboards."""
-        last: dict[str, int] = {}
-        while True:
-            await asyncio.sleep(self.config.snapshot_s)
-            status = self.routing_status()
-            decisions = status["decisions"]
-            delta = {k: v - last.get(k, 0) for k, v in decisions.items()}
-            last = dict(decisions)
-            if any(delta.values()) or any(status["inflight_requests"].values()):
-                await self.events.emit(
-                    ev.ROUTING_SNAPSHOT, interval_s=self.config.snapshot_s, decisions_delta=delta, **status
-                )
 
 
 def create_app(proxy: Proxy) -> FastAPI:

@@ -130,7 +130,7 @@ class ProxyMetrics(JobMetrics):
     """Prometheus metrics in a registry of their own (several proxies can live in one test process).
 
     The proxy's own HTTP server answers /metrics with `render()`. `live()` returns the hot path's plain counters
-    (app.py's `Proxy._live_metrics`), read at each scrape.
+    (status.py's `ProxyStatus.live_metrics`), read at each scrape.
     """
 
     def __init__(self, live: Callable[[], dict[str, Any]] | None = None) -> None:
