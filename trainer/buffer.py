@@ -51,6 +51,8 @@ class RolloutBuffer:
         return added
 
     def is_stale(self, group: ScoredGroup, current_version: int) -> bool:
+        # Counted from the group's adapter_version: for an episode, the version its first turn was served by
+        # (bucket/rollouts.py checks each sample's first turn against it), whatever served later turns.
         # A version newer than the trainer's cannot be in its lineage (bucket/checkpoints.py makes it
         # impossible after a crash); should one appear anyway it is dropped, never trained.
         lag = current_version - group.adapter_version

@@ -24,6 +24,13 @@ one micro-batch): `grpo` averages each sequence's token mean over sequences,
 sequences x `max_completion_length`. Groups whose rewards are all equal have
 zero advantage everywhere: they are skipped before any forward pass and count
 in no denominator.
+
+A sample's loss mask (bucket/rollouts.py: 1 for tokens the model sampled, 0
+for an episode's template, environment and tool tokens) decides what is a
+token here: the loss, the ratio, the clip fractions, the entropy, the token
+counts and the loss types' sequence lengths are over mask-1 tokens only;
+mask-0 tokens are context the trained tokens attend to. A single-turn sample
+has no mask (every token is trained): the same path, the same numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 
-from bucket.rollouts import ScoredGroup
+from bucket.rollouts import Sample, ScoredGroup
 from trainer.packing import Completion, MicroBatch, packed_logprobs
 
 LossType = Literal["grpo", "dapo", "dr_grpo"]
@@ -85,8 +92,10 @@ def advantages(groups: list[ScoredGroup], scale_rewards: ScaleRewards) -> tuple[
 def completions(
     groups: list[ScoredGroup], advs: list[torch.Tensor], cfg: LossConfig
 ) -> list[tuple[list[int], list[Completion]]]:
-    """The groups as packing input, each token weighted so that the weighted sum is the step's loss."""
-    lengths = [len(s.completion_ids) for g in groups for s in g.samples if s.completion_ids]
+    """The groups as packing input, each token weighted so that the weighted sum is the step's loss.
+
+    Lengths are trained (mask-1) tokens; a sample without any is left out, as an empty one is."""
+    lengths = [n for g in groups for s in g.samples if (n := s.trained_tokens)]
     n_seq, n_tok = max(len(lengths), 1), max(sum(lengths), 1)
 
     def weight(n: int) -> float:
@@ -100,14 +109,20 @@ def completions(
     for g, adv in zip(groups, advs):
         t = g.sampling.temperature
         inv_t = 1.0 / t if t > 0 else 1.0  # greedy: vLLM's logprobs are the untempered ones
-        cs = [
-            Completion(s.completion_ids, s.logprobs, float(a), weight(len(s.completion_ids)), inv_t)
-            for s, a in zip(g.samples, adv)
-            if s.completion_ids
-        ]
+        cs = [_completion(s, float(a), weight(n), inv_t) for s, a in zip(g.samples, adv) if (n := s.trained_tokens)]
         if cs:
             out.append((g.prompt_ids, cs))
     return out
+
+
+def _completion(s: Sample, adv: float, weight: float, inv_t: float) -> Completion:
+    """One sample as packing input. An episode's tokens after its last trained one predict nothing trained:
+    they are cut, so its row holds only what the loss needs."""
+    if s.loss_mask is None:
+        return Completion(s.completion_ids, s.logprobs, adv, weight, inv_t)
+    end = max(i for i, m in enumerate(s.loss_mask) if m) + 1
+    mask = s.loss_mask[:end]
+    return Completion(s.completion_ids[:end], s.logprobs[:end], adv, weight, inv_t, None if all(mask) else mask)
 
 
 # Sums kept on the device over a step, read back once at its end.

@@ -11,7 +11,10 @@ block on CPU, flex attention with a block mask on GPU).
 
 A completion's last token is never an input (it predicts nothing we train),
 so a completion of C tokens adds C - 1 tokens to the row; its first token is
-predicted from the prompt's last position.
+predicted from the prompt's last position. An episode's completion carries a
+loss mask: every token is an input (the template and environment tokens are
+context the model saw), but only mask-1 tokens are predicted, so a masked
+token is never a target, a logprob, a loss term or a token count.
 
 Everything here that depends on the data is built on the host before the step
 and moved to the device in one copy per tensor; nothing inside the step reads a
@@ -49,6 +52,7 @@ class Completion:
     advantage: float
     weight: float  # per-token loss weight (the loss type's normaliser)
     inv_temperature: float
+    mask: list[int] | None = None  # 1 = trained, 0 = context only (Sample.loss_mask); None = every token trained
 
 
 @dataclass
@@ -155,11 +159,19 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
             start = len(ids)
             if len(c.ids) > 1:
                 add_block(c.ids[:-1], range(p, p + len(c.ids) - 1), pb, (p_start, p_start + p))
-            predict.append(last_prompt)
-            predict.extend(range(start, start + len(c.ids) - 1))
-            targets.extend(c.ids)
-            old.extend(c.old_logprobs)
-            n = len(c.ids)
+            if c.mask is None:
+                predict.append(last_prompt)
+                predict.extend(range(start, start + len(c.ids) - 1))
+                targets.extend(c.ids)
+                old.extend(c.old_logprobs)
+                n = len(c.ids)
+            else:
+                # token i is predicted from the position before it: the prompt's last for i = 0
+                keep = [i for i, m in enumerate(c.mask) if m]
+                predict.extend(start + i - 1 if i else last_prompt for i in keep)
+                targets.extend(c.ids[i] for i in keep)
+                old.extend(c.old_logprobs[i] for i in keep)
+                n = len(keep)
             adv.extend([c.advantage] * n)
             weight.extend([c.weight] * n)
             inv_t.extend([c.inv_temperature] * n)
