@@ -1,7 +1,8 @@
 """Prefix-aware routing of generation requests to replicas. Pure: no I/O, no clock.
 
 Prompts are keyed by chained block hashes (prefix_hashes.py): two prompts share a link iff they share the
-adapter and every token up to the end of that block.
+adapter and every token up to the end of that block. Which replica holds each link, and which links are
+shared by distinct prompts, is remembered in prefix_links.py; groups in flight in groups.py.
 
 Three rules, in order:
 
@@ -45,12 +46,12 @@ Three rules, in order:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.routing.groups import Groups
 from proxy.routing.prefix_hashes import text_keys, token_keys
+from proxy.routing.prefix_links import PrefixLinks
 
 PREFIX_HIT = "prefix_hit"
 NEW = "new"
@@ -93,16 +94,12 @@ class PrefixRouter:
         self.spill_threshold = spill_threshold
         self.max_blocks = max_blocks
         self.max_groups = max_groups
-        # link -> [replica that holds it, distinct prompts that contained it, whether a prompt's chain ended there];
-        # least recently used first
-        self._links: OrderedDict[int, list] = OrderedDict()
+        self._prefixes = PrefixLinks(max_blocks)  # where prompts' blocks live (prefix_links.py)
         self._inflight: dict[str, int] = {}
         self._total_inflight = 0
         self._load: dict[str, float] = {}  # outstanding tokens, siblings' reservations included (groups.py)
         self._groups = Groups(self._load, max_groups)
         self._kv_block: dict[str, int] = {}  # each replica's KV block size
-        self._capacity: dict[str, int] = {}  # routing links each replica's KV cache holds (absent: unbounded)
-        self._owned: dict[str, OrderedDict[int, None]] = {}  # links each bounded replica holds, oldest first
         self._order: list[str] = []
         self._draining: set[str] = set()  # asked to leave: no new groups (set_draining)
         # When each replica was last given work by load: ties among equally loaded replicas go to the one
@@ -131,8 +128,7 @@ class PrefixRouter:
                     sizes[rid] = size
                 blocks = getattr(info, "kv_blocks", 0)
                 if isinstance(blocks, int) and blocks > 0 and isinstance(size, int) and size > 0:
-                    self._capacity[rid] = max(1, blocks * size // self.block_size)
-                    self._owned.setdefault(rid, OrderedDict())
+                    self._prefixes.set_capacity(rid, max(1, blocks * size // self.block_size))
         known = [self._assigned[r] for r in self._order if r in self._assigned and r in wanted]
         mean = sum(known) / len(known) if known else 0.0
         for rid in wanted:
@@ -143,20 +139,12 @@ class PrefixRouter:
         removed = set(self._order) - set(wanted)
         for rid in removed:
             self._total_inflight -= self._inflight.get(rid, 0)
-            for table in (
-                self._inflight,
-                self._load,
-                self._last_given,
-                self._kv_block,
-                self._assigned,
-                self._capacity,
-                self._owned,
-            ):
+            for table in (self._inflight, self._load, self._last_given, self._kv_block, self._assigned):
                 table.pop(rid, None)
         self._draining -= removed
         if removed:
             # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
-            self._links = OrderedDict((h, v) for h, v in self._links.items() if v[0] not in removed)
+            self._prefixes.forget_replicas(removed)
             self._groups.forget_replicas(removed)
         self._order = wanted
 
@@ -193,7 +181,7 @@ class PrefixRouter:
         return {rid: max(0.0, self._load[rid] - reserved.get(rid, 0.0)) for rid in self._order}
 
     def known_blocks(self) -> int:
-        return len(self._links)
+        return len(self._prefixes)
 
     def known_groups(self) -> int:
         return len(self._groups)
@@ -346,24 +334,9 @@ class PrefixRouter:
             return Decision(rid, PREFIX_HIT, 0, decode + prompt_tokens, group, 0)
 
         # A new group: where is the deepest link of its prompt that is not shared by many prompts?
-        owner, depth = None, -1
-        table = self._links
-        for i in range(len(links) - 1, -1, -1):
-            entry = table.get(links[i])
-            if entry is None:
-                continue
-            if entry[1] >= 2 or not entry[2]:
-                # Shared by distinct prompts, or a point where this prompt leaves an earlier one: not a home.
-                break
-            if entry[0] not in closed and entry[0] in self._load:
-                owner, depth = entry[0], i
-                break
-        template = 0
-        for link in links:
-            entry = table.get(link)
-            if entry is None or entry[1] < 2:
-                break
-            template += 1
+        prefixes = self._prefixes
+        owner, depth = prefixes.home(links, closed, self._load)
+        template = prefixes.shared_depth(links)
         kind, matched, cached = NEW, 0, 0
         rid = None
         if owner is not None:
@@ -379,51 +352,9 @@ class PrefixRouter:
                 return None
             cached = self._cached(rid, template * unit) if template else 0
         cached = min(cached, max(prompt_tokens - 1, 0))
-        self._remember(links, rid, own=kind != SPILL)
-        self._template_links[text] = self._count_template(links)
+        prefixes.remember(links, rid, own=kind != SPILL)
+        self._template_links[text] = prefixes.shared_depth(links)
         sibling_cached = min(self._cached(rid, prompt_tokens), max(prompt_tokens - 1, 0))
         groups.add(group, rid, decode + prompt_tokens - sibling_cached)
         self.decisions[kind] += 1
         return Decision(rid, kind, matched, decode + prompt_tokens - cached, group, cached)
-
-    def _count_template(self, links: list[int]) -> int:
-        count = 0
-        for link in links:
-            entry = self._links.get(link)
-            if entry is None or entry[1] < 2:
-                break
-            count += 1
-        return count
-
-    def _remember(self, links: list[int], replica_id: str, own: bool) -> None:
-        """Count a new prompt on each of its links; the chosen replica now holds them (unless it is a spill)."""
-        table = self._links
-        last = len(links) - 1
-        for i, link in enumerate(links):
-            entry = table.get(link)
-            if entry is None:
-                table[link] = [replica_id, 1, i == last]
-            else:
-                entry[1] += 1
-                entry[2] = entry[2] or i == last
-                if own and entry[0] != replica_id:
-                    held = self._owned.get(entry[0])
-                    if held is not None:
-                        held.pop(link, None)
-                    entry[0] = replica_id
-                table.move_to_end(link)
-        while len(table) > self.max_blocks:
-            table.popitem(last=False)
-        owned = self._owned.get(replica_id)
-        if owned is not None:
-            # The replica computed (or touched) these blocks: the newest in its cache. Past its capacity, the
-            # oldest are likely evicted: they stop being anyone's home (the share counts stay).
-            for link in links:
-                owned[link] = None
-                owned.move_to_end(link)
-            capacity = self._capacity[replica_id]
-            while len(owned) > capacity:
-                old, _ = owned.popitem(last=False)
-                entry = table.get(old)
-                if entry is not None and entry[0] == replica_id:
-                    entry[0] = None
