@@ -58,6 +58,9 @@ class EventKind(StrEnum):
     EVAL = "eval"  # rollout worker or `brigade eval`: greedy held-out accuracy of one version (0 = base)
     CURRICULUM = "curriculum_level"  # rollout worker: training prompts moved to another difficulty level
     REWARD_FAILED = "reward_failed"  # rollout worker: a reward function raised or timed out (rewards None)
+    # rollout worker: an environment raised, hung, died or broke its contract; its episode ended, not written
+    # (episode, prompt_id, call, error)
+    ENV_FAILED = "env_failed"
     # proxy: the replica count it asks for, or the count serving, changed (desired, actual, reason, signals)
     DESIRED_REPLICAS = "desired_replicas"
     # A shared pool's proxy (docs/pool.md), each with the field `run`:
@@ -92,6 +95,7 @@ EVAL = EventKind.EVAL
 EVAL_SKIPPED = EventKind.EVAL_SKIPPED
 CURRICULUM = EventKind.CURRICULUM
 REWARD_FAILED = EventKind.REWARD_FAILED
+ENV_FAILED = EventKind.ENV_FAILED
 DESIRED_REPLICAS = EventKind.DESIRED_REPLICAS
 RUN_ADMITTED = EventKind.RUN_ADMITTED
 RUN_REFUSED = EventKind.RUN_REFUSED

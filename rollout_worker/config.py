@@ -77,6 +77,27 @@ class RolloutConfig(BaseModel):
         0.7, description="Move to the next level once the mean reward of the last curriculum_window groups reaches it."
     )
     curriculum_window: int = Field(8, ge=1, description="Groups of the current level the curriculum averages over.")
+    environment: str = Field(
+        "",
+        description="Multi-turn episodes: an environment factory as package.module:factory (a callable returning "
+        "one instance per episode, as TRL's environment_factory), each dataset row passed to reset(**row). TRL's "
+        "contract (public methods are tools, optional get_reward) or a text-step one (reset, step(action) -> "
+        "(observation, reward, done, info)); docs/environments.md. Set: reward_funcs default to none (the "
+        "environment's reward alone). Empty: single-turn completions.",
+    )
+    max_turns: int = Field(4, ge=1, description="An episode's model replies at most (environment runs).")
+    max_tool_calls: int = Field(
+        8, ge=0, description="Tool calls an episode may make (TRL's max_tool_calling_iterations bounds rounds)."
+    )
+    max_episode_tokens: int = Field(
+        1024, ge=2, description="An episode's token stream, prompt included, at most (environment runs)."
+    )
+    environment_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A call into an environment (reset, a tool, step, get_reward) still running after this long "
+        "ends its episode (recorded as an env_failed event) and its process is killed.",
+    )
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["rollout_worker.rewards:exact_match"],
         description="Reward functions as module:function (TRL signature: completions, prompts, completion_ids, "
@@ -130,8 +151,10 @@ class RolloutConfig(BaseModel):
         for spec in (self.dataset, self.eval_dataset):
             if is_reasoning_gym(spec):
                 parse(spec)
+        if self.environment and "reward_funcs" not in self.model_fields_set:
+            self.reward_funcs = []  # the environment's own reward (get_reward, step rewards) unless others are named
         if is_reasoning_gym(self.dataset):
-            if "reward_funcs" not in self.model_fields_set:
+            if "reward_funcs" not in self.model_fields_set and not self.environment:
                 self.reward_funcs = [REASONING_GYM_REWARD]
             if "eval_judge" not in self.model_fields_set:
                 self.eval_judge = REASONING_GYM_REWARD

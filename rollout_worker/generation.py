@@ -106,12 +106,13 @@ class Generator:
             "n": n,
         }
 
-    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST through the proxy; a 5xx or no answer is sent again with back-off, a 4xx fails at once."""
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+        """POST through the proxy; a 5xx or no answer is sent again with back-off, a 4xx fails at once. `headers`:
+        an episode's turns carry its key (X-Session-ID, rollout_worker/environments/)."""
         delay = RETRY_FIRST_S
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                resp = await self.client.post(path, json=body)
+                resp = await self.client.post(path, json=body, headers=headers)
             except httpx.TransportError as exc:
                 problem, reason = f"{type(exc).__name__}: {exc}", "no_answer"
             else:

@@ -15,6 +15,7 @@ The parts, each in its own module:
   sampler.py       prompt order: epochs, seeded shuffles, curriculum, the data cursor in the bucket
   evaluation.py    greedy held-out accuracy of a version; eval_schedule.py: which (base, every few, final)
   pool_client.py   on a shared pool (rollout.pool_url): attach, lease, detach; pool_publisher.py pushes adapters
+  environments/    --rollout.environment: multi-turn episodes, token-exact, each environment in its own process
 This module runs the loop that ties them together, and the job's entry `run`.
 """
 
@@ -38,6 +39,7 @@ from bucket.store import Store
 from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
+from rollout_worker.environments.groups import for_settings
 from rollout_worker.eval_schedule import EvalSchedule
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import AdapterRetired, Generator
@@ -82,6 +84,7 @@ class Worker:
         self.scorer = Scorer(
             settings.reward_funcs, settings.reward_weights, settings.reward_timeout_s, settings.reward_processes
         )
+        self.episodes = for_settings(settings, self.generator, self.scorer, self.ev, manifest.num_generations)
         self.data = load_data(settings.dataset, settings.eval_dataset, settings.eval_size, settings.dataset_split)
         self.sampler = PromptSampler(
             self.data,
@@ -129,6 +132,8 @@ class Worker:
 
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
         """All `num_generations` completions of one prompt, with one adapter version, scored."""
+        if self.episodes is not None:  # --rollout.environment: multi-turn episodes (rollout_worker/environments/)
+            return await self.episodes.group(row, self.adapters, self.manifest.num_generations, dataset_extra(row))
         # The newest version the proxy serves; the proxy keeps it loaded while this group's requests name it.
         text, ids = await self.generator.prompt_ids(row)
         for attempt in range(1, RETIRED_ATTEMPTS + 1):
@@ -301,6 +306,7 @@ class Worker:
         # Groups already scored are written, not dropped, when the worker stops.
         self._flush(force=True)
         self.scorer.close()
+        self.episodes and self.episodes.close()
         if self.evaluator is not None:
             self.evaluator.close()
         self.ev.close()  # the events still queued reach the bucket before the process exits

@@ -1,0 +1,189 @@
+"""A group of episodes: `num_generations` episodes of one dataset row, one policy version, scored, as one
+ScoredGroup in the shard format every sample has (bucket/rollouts.py: the stream after the prompt, its loss
+mask, each turn's span and version).
+
+The group's `prompt_ids` are the tokens every episode's stream begins with (the environments' reset may differ
+between instances, e.g. a random target: the rest of each prompt is then the start of that sample's
+completion_ids, masked). An episode whose environment failed is left out of the group (an environment's bug is
+not the model's doing, so it is not trained on as a low reward) and recorded as an `env_failed` event; a group
+whose every episode failed, fails.
+
+Rewards: the environment's (get_reward, or the sum of step rewards) plus the weighted reward functions, which
+get TRL's arguments and `environments=` (each episode's instance as it ended).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from bucket import events
+from bucket.rollouts import Sample, SamplingParams, ScoredGroup
+from bucket.version import Version
+from rollout_worker.bucket_io import QueuedEvents
+from rollout_worker.environments.contract import import_factory
+from rollout_worker.environments.episode import Episode, EpisodeRun, Limits
+from rollout_worker.environments.host import EnvHosts
+from rollout_worker.environments.stream import Renderer
+from rollout_worker.generation import AdapterRetired, Generator
+from rollout_worker.live_adapter import LiveAdapter
+from rollout_worker.rewards import Scorer
+
+log = logging.getLogger("brigade.rollout")
+
+RETIRED_ATTEMPTS = 8  # as main.py: a group generated again with a newer version at most this many times
+RETIRED_WAIT_S = 30.0
+
+
+def common_prefix(lists: list[list[int]]) -> list[int]:
+    first = lists[0]
+    n = len(first)
+    for other in lists[1:]:
+        n = min(n, len(other))
+        n = next((i for i in range(n) if first[i] != other[i]), n)
+    return first[:n]
+
+
+class EpisodeGroups:
+    """The worker's environment side: the processes, the renderer, and one group at a time per call."""
+
+    def __init__(
+        self,
+        spec: str,
+        limits: Limits,
+        generator: Generator,
+        scorer: Scorer,
+        ev: QueuedEvents,
+        sampling: SamplingParams,
+        max_episodes: int,
+    ):
+        import_factory(spec)  # a bad name fails at start; instances are made in their own processes only
+        self.spec, self.limits, self.gen, self.scorer, self.ev, self.sampling = (
+            spec,
+            limits,
+            generator,
+            scorer,
+            ev,
+            sampling,
+        )
+        self.hosts = EnvHosts(max_idle=max_episodes)
+        self.renderer = Renderer(generator)
+        self.failed = 0  # episodes ended by their environment
+
+    async def group(self, row: dict[str, Any], adapters: LiveAdapter, n: int, extra: dict[str, Any]) -> ScoredGroup:
+        """One row's episodes, all on the version the group started with; again with a newer one if a pool
+        retired it mid-group (nothing of a retired version is kept)."""
+        for attempt in range(1, RETIRED_ATTEMPTS + 1):
+            model = adapters.model_name(adapters.version)
+            try:
+                return await self._group(row, model, adapters.version_of(model), n, extra)
+            except AdapterRetired:
+                if attempt == RETIRED_ATTEMPTS:
+                    raise
+                self.gen.retries["adapter_retired"] += 1
+                await adapters.wait_for(Version(adapters.version_of(model) + 1), RETIRED_WAIT_S)
+        raise AssertionError("unreachable")
+
+    async def _episode(self, eid: str, row: dict[str, Any], model: str, version: int) -> Episode:
+        proc = self.hosts.acquire()
+        try:
+            run = EpisodeRun(self.spec, proc, self.gen, self.renderer, self.limits)
+            return await run.run(eid, row, model, version, snapshot=bool(self.scorer.specs))
+        except BaseException:
+            proc.kill()  # cancelled or a generation failure mid-episode: the instance is not left half-used
+            raise
+        finally:
+            self.hosts.release(proc)
+
+    async def _group(self, row: dict[str, Any], model: str, version: int, n: int, extra: dict[str, Any]) -> ScoredGroup:
+        key = uuid.uuid4().hex[:12]
+        episodes = await asyncio.gather(
+            *(self._episode(f"{row['prompt_id']}-{key}-{i}", row, model, version) for i in range(n))
+        )
+        for ep in episodes:
+            if ep.error:
+                self.failed += 1
+                log.warning("environment failed in episode %s (%s): %s", ep.episode_id, ep.failed_call, ep.error)
+                self.ev.emit(
+                    events.ENV_FAILED,
+                    episode=ep.episode_id,
+                    prompt_id=str(row["prompt_id"]),
+                    call=ep.failed_call,
+                    error=ep.error[:500],
+                    version=version,
+                )
+        good = [ep for ep in episodes if not ep.error and ep.stream is not None and ep.stream.turns]
+        if not good:
+            raise RuntimeError(f"every episode of prompt {row['prompt_id']} failed: {episodes[0].error}")
+        return await self._scored(row, good, version, extra)
+
+    async def _scored(
+        self, row: dict[str, Any], eps: list[Episode], version: int, extra: dict[str, Any]
+    ) -> ScoredGroup:
+        streams = [ep.stream for ep in eps if ep.stream is not None]
+        prompt_ids = common_prefix([s.prompt_ids for s in streams])
+        texts = [await self._decode(s.ids) for s in streams]
+        columns = {k: [v] * len(eps) for k, v in row.items() if k != "prompt"}
+        columns["environments"] = [ep.env for ep in eps]
+        scored = await self.scorer.score_batch(
+            [ep.completion for ep in eps],
+            [ep.messages[: ep.prompt_len] for ep in eps],
+            [s.ids for s in streams],
+            columns,
+        )
+        for spec, error in scored.failures:
+            self.ev.emit(events.REWARD_FAILED, function=spec, error=error[:500], samples=len(eps))
+        samples = []
+        for ep, s, text, r in zip(eps, streams, texts, scored.totals):
+            head = s.prompt_ids[len(prompt_ids) :]  # this episode's own prompt tokens (reset's text), masked
+            shift = len(head)
+            samples.append(
+                Sample(
+                    completion_ids=head + s.ids,
+                    logprobs=[0.0] * shift + s.logprobs,
+                    loss_mask=[0] * shift + s.mask,
+                    turns=[t.model_copy(update={"start": t.start + shift, "end": t.end + shift}) for t in s.turns],
+                    text=text,
+                    reward=ep.env_reward + (r or 0.0),
+                    finish_reason=ep.finish_reason,
+                    replica=s.turns[0].replica,
+                    model=ep.model,
+                    tool_calls=ep.tool_calls,
+                )
+            )
+        prompt = row["prompt"]
+        return ScoredGroup(
+            prompt_id=str(row["prompt_id"]),
+            prompt=prompt[-1]["content"] if isinstance(prompt, list) else str(prompt),
+            prompt_ids=prompt_ids,
+            adapter_version=version,
+            sampling=self.sampling,
+            samples=samples,
+            extra=extra,
+        )
+
+    async def _decode(self, ids: list[int]) -> str:
+        resp = await self.gen._post("/detokenize", {"model": self.gen.base_model, "tokens": ids})
+        return str(resp.json().get("prompt", ""))
+
+    def close(self) -> None:
+        self.hosts.close()
+
+
+def for_settings(
+    settings: Any, generator: Generator, scorer: Scorer, ev: QueuedEvents, num_generations: int
+) -> EpisodeGroups | None:
+    """The worker's episode side for `--rollout.environment`, or None for single-turn completions."""
+    if not settings.environment:
+        return None
+    limits = Limits(
+        settings.max_turns,
+        settings.max_tool_calls,
+        settings.max_episode_tokens,
+        settings.max_completion_length,
+        settings.environment_timeout_s,
+    )
+    episodes = settings.max_inflight_groups * num_generations  # one process per episode in flight
+    return EpisodeGroups(settings.environment, limits, generator, scorer, ev, generator.sampling, episodes)
