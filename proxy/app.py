@@ -13,7 +13,7 @@ Three jobs, in order of how much they matter to a run:
   They never reach this app: the proxy's own HTTP server
   (serving/httpserver.py) answers them on its hot path.
 * Everything else (models, tokenize, pause/resume, ...) is passed through
-  (serving/forwarding.py).
+  (serving/passthrough.py).
 
 The parts share one `ProxyState` (state.py) and one `Upstream` HTTP client
 (replicas/upstream.py). `Proxy.__init__` builds them in dependency order and
@@ -62,6 +62,7 @@ from proxy.replicas.upstream import Upstream
 from proxy.routing.router import PrefixRouter
 from proxy.scaling.autoscaler import Autoscaler, Load
 from proxy.serving.forwarding import Forwarder, SendGeneration
+from proxy.serving.passthrough import Passthrough
 from proxy.serving.pool import ReplicaConnections
 from proxy.serving.slots import run_of_model
 from proxy.state import ProxyState
@@ -136,6 +137,9 @@ class Proxy:
             run_of=run_of_model if access is not None else None,  # a pool's: whose request, for fair sharing
             retired=self._retired if access is not None else None,  # a pool's: versions past a run's window
         )
+        self.passthrough = Passthrough(
+            self.state, self.upstream, on_failure=self.membership.eject, upstream_errors=self.forwarder.upstream_errors
+        )
         self.fanout = AdapterFanout(
             self.state,
             self.upstream,
@@ -143,7 +147,7 @@ class Proxy:
             self.prober,
             loaded_changed=self.live.publish,
             on_probe_failed=functools.partial(self.membership.eject, cause="canary_probe"),
-            on_load_failed=self.forwarder.resume,  # a client that paused before a failed load may never resume
+            on_load_failed=self.passthrough.resume,  # a client that paused before a failed load may never resume
         )
         self.lifecycle = AdapterLifecycle(self.state, self.fanout, self.events)  # off without a run (a pool)
         self.pool = (
@@ -155,7 +159,9 @@ class Proxy:
             runs = self.pool.runs.runs
             self.forwarder.set_weights(lambda run: runs[run].weight if run in runs else 1.0)
         self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
-        self.status = ProxyStatus(self.state, self.forwarder, self.membership, self.autoscaler, self.events, self.pool)
+        self.status = ProxyStatus(
+            self.state, self.forwarder, self.passthrough, self.membership, self.autoscaler, self.events, self.pool
+        )
         self._snapshots: asyncio.Task | None = None
 
     def _fits_pool(self, info: ReplicaInfo) -> str | None:
@@ -239,7 +245,7 @@ class Proxy:
         return await self.fanout.unload_adapter(body)
 
     async def broadcast(self, path: str, query: str) -> Response:
-        return await self.forwarder.broadcast(path, query)
+        return await self.passthrough.broadcast(path, query)
 
     async def forward(
         self,
@@ -251,7 +257,7 @@ class Proxy:
         authorization: str | None = None,
     ) -> Any:
         def passed() -> Any:
-            return self.forwarder.forward(method, path, query, body, content_type)
+            return self.passthrough.forward(method, path, query, body, content_type)
 
         if self.pool is not None:  # a pool's token is needed, and a run sees only its own adapters' names
             return await self.pool.passed_through(authorization, path, passed)
@@ -271,7 +277,7 @@ class Proxy:
         return self.pool is not None
 
     async def world_size(self) -> int:
-        return await self.forwarder.world_size()
+        return await self.passthrough.world_size()
 
     def authorized(self, authorization: str | None) -> bool:
         """Whether an admin call carries the admin token (always, when none is configured: loopback only)."""

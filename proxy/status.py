@@ -21,6 +21,7 @@ from proxy.pool.service import Pool
 from proxy.replicas.membership import Membership
 from proxy.scaling.autoscaler import Autoscaler
 from proxy.serving.forwarding import Forwarder
+from proxy.serving.passthrough import Passthrough
 from proxy.state import ProxyState
 
 
@@ -31,6 +32,7 @@ class ProxyStatus:
         self,
         state: ProxyState,
         forwarder: Forwarder,
+        passthrough: Passthrough,
         membership: Membership,
         autoscaler: Autoscaler,
         events: EventWriter,
@@ -38,6 +40,7 @@ class ProxyStatus:
     ) -> None:
         self.state = state
         self.forwarder = forwarder
+        self.passthrough = passthrough
         self.membership = membership
         self.autoscaler = autoscaler
         self.events = events
@@ -107,7 +110,7 @@ class ProxyStatus:
         adapter loads reach every replica; LoRA limits the smallest of any replica's; synthesized from the run
         and the registry when the replicas do not serve it.
         """
-        own = await self.forwarder.replica_server_info(query)
+        own = await self.passthrough.replica_server_info(query)
         config = own.get("vllm_config") if isinstance(own.get("vllm_config"), dict) else {}
         max_loras = [i.max_loras for i in self.state.routable.values() if i.max_loras > 0]
         lora = config.get("lora_config") if isinstance(config.get("lora_config"), dict) else {}

@@ -8,8 +8,7 @@ built with: in production a pooled keep-alive connection (pool.py,
 not. A replica that fails before the first byte of its answer reached the
 client is reported (`on_failure`: membership ejects it) and the request goes
 to another replica; a failure mid-answer ends the answer with a clear error.
-Everything else (models, tokenize, ...) goes to the least-loaded replica
-through httpx, and pause/resume to every replica.
+Everything else (models, tokenize, pause/resume, ...) is passthrough.py's.
 """
 
 from __future__ import annotations
@@ -21,14 +20,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-import httpx
-from fastapi.responses import JSONResponse, Response
-
 from bucket import priority
 from bucket.pool import ADAPTER_RETIRED
 from bucket.replicas import ReplicaInfo
-from proxy.errors import error_body, error_response
-from proxy.lora_paths import error_message
+from proxy.errors import error_body
 from proxy.replicas.upstream import Upstream
 from proxy.replicas.wire import UpstreamError
 from proxy.serving.generation_body import BadRequest, completion_tokens, parse_generation, prompt_of
@@ -77,7 +72,7 @@ def without_priority(body: bytes, payload: dict[str, Any]) -> bytes:
 
 
 class Forwarder:
-    """Sends client requests to the routable replicas; never changes which replicas or adapters there are.
+    """Sends generations to the routable replicas; never changes which replicas or adapters there are.
 
     `send` carries each generation to a replica (pool.py's `ReplicaConnections.send` in production).
     `on_failure(replica_id, reason)` is called when a replica failed a request before answering
@@ -114,10 +109,9 @@ class Forwarder:
         # asked on arrival and again when a slot frees, since newer versions go live while it waits.
         self.retired = retired
         self.retired_requests: dict[str, int] = {}  # run -> generations refused as retired
-        self._lease: asyncio.TimerHandle | None = None
         self.waiting = 0
         self.retries: dict[str, int] = {"connect": 0, "reset_before_answer": 0, "stale_connection": 0}
-        self.upstream_errors: dict[str, int] = {}
+        self.upstream_errors: dict[str, int] = {}  # replica -> failures (passthrough.py counts its own here too)
         self.broken_answers = 0
 
     def _replica_slot(self, rid: str) -> PrioritySlots:
@@ -314,115 +308,3 @@ class Forwarder:
         self.retired_requests[run] = self.retired_requests.get(run, 0) + 1
         sink.error(409, error_body(409, why, reason=ADAPTER_RETIRED))
         return True
-
-    # -- everything else -----------------------------------------------------------------------
-    def _least_loaded(self) -> tuple[str | None, ReplicaInfo | None]:
-        rid = self.state.router.least_loaded()
-        return rid, self.state.routable.get(rid) if rid else None
-
-    async def forward(self, method: str, path: str, query: str, body: bytes, content_type: str | None) -> Any:
-        """Pass a request that needs no routing (models, tokenize, ...) to the least-loaded replica."""
-        tried: set[str] = set()
-        while True:
-            rid = self.state.router.least_loaded(tried)
-            info = self.state.routable.get(rid) if rid else None
-            if rid is None or info is None:
-                return error_response(503, "no replica is available")
-            try:
-                resp = await self.upstream.client(info.url).request(
-                    method,
-                    f"{info.url}{path}",
-                    params=query or None,
-                    content=body,
-                    headers={"content-type": content_type or "application/json", **self.upstream.auth},
-                )
-            except httpx.ConnectError as exc:
-                self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
-                self.on_failure(rid, f"connection refused ({exc})")
-                tried.add(rid)
-                continue
-            except httpx.HTTPError as exc:
-                self.upstream_errors[rid] = self.upstream_errors.get(rid, 0) + 1
-                return error_response(502, f"replica {rid} did not answer: {type(exc).__name__}: {exc}")
-            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-
-    def pause(self, query: str) -> None:
-        """Hold new generations at the proxy (in flight ones finish) until `resume`, or the pause lease ends."""
-        state = self.state
-        state.paused_query = query
-        state.dispatching.clear()
-        if self._lease is not None:
-            self._lease.cancel()
-        self._lease = asyncio.get_running_loop().call_later(state.config.pause_lease_s, self._lease_over)
-
-    def resume(self, why: str = "") -> bool:
-        """Dispatch again; True if it was paused."""
-        if self._lease is not None:
-            self._lease.cancel()
-            self._lease = None
-        was = not self.state.dispatching.is_set()
-        self.state.paused_query = None
-        self.state.dispatching.set()
-        if was and why:
-            log.warning("resumed generation: %s", why)
-        return was
-
-    def _lease_over(self) -> None:
-        self._lease = None
-        self.resume(f"no /resume within pause_lease_s={self.state.config.pause_lease_s:.0f}s of /pause")
-        for info in list(self.state.routable.values()):  # best effort: replicas paused in dev mode too
-            task = asyncio.get_running_loop().create_task(self.upstream.post(info, "/resume"))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    async def broadcast(self, path: str, query: str) -> Any:
-        """Pause or resume: at the proxy itself, and on every replica that serves /pause (vLLM's dev mode)."""
-        if path == "/pause":
-            self.pause(query)
-        else:
-            self.resume()
-        targets = list(self.state.routable.values())
-        answers = await asyncio.gather(
-            *(self.upstream.post(r, path, query=query) for r in targets), return_exceptions=True
-        )
-        results = {}
-        for info, a in zip(targets, answers):
-            if isinstance(a, BaseException):
-                results[info.replica_id] = {"ok": False, "reason": f"no answer ({type(a).__name__}: {a})"}
-            else:
-                results[info.replica_id] = {
-                    "ok": a.status_code == 200,
-                    "status": a.status_code,
-                    **({} if a.status_code == 200 else {"reason": error_message(a.text)}),
-                }
-        # 404: the replica runs without dev mode and has no /pause; pausing at the proxy holds its traffic anyway.
-        bad = [rid for rid, r in results.items() if not r["ok"] and r.get("status") != 404]
-        if bad:
-            return error_response(502, f"{path} failed on {bad}", replicas=results)
-        return JSONResponse(
-            {"status": "paused" if path == "/pause" else "resumed", "paused_at": "proxy", "replicas": results}
-        )
-
-    async def world_size(self) -> int:
-        """Sum of the replicas' world sizes (TP*PP*DP each); 1 for a replica that does not say."""
-
-        async def one(info: ReplicaInfo) -> int:
-            try:
-                resp = await self.upstream.probe(info, "/get_world_size")
-                return int(resp.json()["world_size"]) if resp.status_code == 200 else 1
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return 1
-
-        return sum(await asyncio.gather(*(one(i) for i in self.state.routable.values())))
-
-    async def replica_server_info(self, query: str) -> dict[str, Any]:
-        """The least-loaded replica's own /server_info (vLLM serves it in dev mode only); {} without one."""
-        _rid, info = self._least_loaded()
-        if info is None:
-            return {}
-        try:
-            resp = await self.upstream.probe(info, "/server_info", query)
-            if resp.status_code == 200 and isinstance(resp.json(), dict):
-                return resp.json()
-        except (httpx.HTTPError, ValueError):
-            pass
-        return {}
