@@ -158,7 +158,9 @@ class Proxy:
         if self.pool is not None:
             runs = self.pool.runs.runs
             self.forwarder.set_weights(lambda run: runs[run].weight if run in runs else 1.0)
-        self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load)
+        # a pool's bucket has no trainer: its autoscaler sums the paces its runs report on their leases
+        reports = self.pool.runs.reports if self.pool is not None else None
+        self.autoscaler = Autoscaler(config, store, manifest, self.events, load=self._load, pool=reports)
         self.status = ProxyStatus(
             self.state, self.forwarder, self.passthrough, self.membership, self.autoscaler, self.events, self.pool
         )
