@@ -15,7 +15,7 @@ from typing import Any
 from bucket import checkpoints, events
 from bucket.config import open_bucket
 from bucket.progress import read_done
-from bucket.rollouts import read_shards
+from bucket.rollouts import ShardRead, read_shards
 from bucket.store import Store
 from infra.config import Config
 
@@ -82,6 +82,28 @@ def final_evaluation(summary: dict[str, Any]) -> str | None:
     return "cut" if any(c["version"] == final for c in summary["evaluations_cut"]) else "not run"
 
 
+def episode_figures(shards: Sequence[ShardRead], evs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """An environment run's episodes (--rollout.environment), from its shards and env_failed events; {} for a
+    single-turn run. `episodes` counts the episodes written (one sample each, `turns` set); an episode whose
+    environment failed is not written, and is counted in `env_errors` instead."""
+    eps = [(g, s) for read in shards for _, g in read.groups() for s in g.samples if s.turns is not None]
+    errors = sum(1 for e in evs if e["kind"] == events.ENV_FAILED)
+    if not eps and not errors:
+        return {}
+
+    def mean(xs: list[float]) -> float | None:
+        return statistics.fmean(xs) if xs else None
+
+    return {
+        "episodes": len(eps),
+        "turns_mean": mean([len(s.turns or []) for _, s in eps]),
+        "tool_calls_mean": mean([s.tool_calls for _, s in eps]),
+        "env_errors": errors,
+        # the whole stream: the group's prompt and the sample's tokens after it (replies, template, tools)
+        "episode_tokens_mean": mean([len(g.prompt_ids) + len(s.completion_ids) for g, s in eps]),
+    }
+
+
 def summarize(store: Store) -> dict[str, Any]:
     evs = events.read_all(store)
     steps = [e for e in evs if e["kind"] == events.TRAIN_STEP]
@@ -111,7 +133,7 @@ def summarize(store: Store) -> dict[str, Any]:
             }
         )
     shards = read_shards(store, {})
-    return run_figures(
+    figures = run_figures(
         steps,
         versions,
         rollout_shards=len(shards),
@@ -124,6 +146,7 @@ def summarize(store: Store) -> dict[str, Any]:
         reward_failures=sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
         first_ts=evs[0]["ts"] if evs else None,
     )
+    return figures | episode_figures(shards, evs)
 
 
 def run_figures(
@@ -199,6 +222,7 @@ def render(summary: dict[str, Any]) -> str:
         f"  (version {summary.get('final_accuracy_version') or '-'}; greedy, {len(summary.get('accuracy_curve', []))} "
         "evaluations)",
         *evaluation_notes(summary),
+        *episode_lines(summary),
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s, "
         f"p95 {f(summary.get('sync_p95_s'), '.2f')} s)",
         "  version  step  committed -> loaded on every replica   fan-out   replicas",
@@ -210,6 +234,21 @@ def render(summary: dict[str, Any]) -> str:
             f"{'':22}{f(v['fanout_s'], '.2f'):>6} s   {len(v['replicas_loaded'])}"
         )
     return "\n".join(lines)
+
+
+def episode_lines(summary: dict[str, Any]) -> list[str]:
+    """The episodes line of an environment run (nothing for a single-turn run)."""
+    if "episodes" not in summary:
+        return []
+
+    def f(x: Any) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    return [
+        f"episodes              {summary['episodes']} written, {summary['env_errors']} ended by an environment "
+        f"error; per episode: {f(summary['turns_mean'])} turns, {f(summary['tool_calls_mean'])} tool calls, "
+        f"{f(summary['episode_tokens_mean'])} tokens"
+    ]
 
 
 def evaluation_notes(summary: dict[str, Any]) -> list[str]:
