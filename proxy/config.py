@@ -72,6 +72,12 @@ class ProxyConfig(BaseModel):
         description="A version outside the live window is unloaded once no request has named it for this long "
         "(a group or an evaluation between two requests still holds it).",
     )
+    session_idle_s: float = Field(
+        30.0,
+        ge=0,
+        description="An episode's version (a request with an X-Session-ID header) stays loaded while one of its "
+        "turns ended less than this long ago: the episode's next turn uses the version its first turn used.",
+    )
     mirror_wait_s: float = Field(
         60.0,
         ge=0,

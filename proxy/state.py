@@ -44,6 +44,7 @@ class ProxyState:
     # lifecycle unloads a version only once nothing has used it for a while (adapters/lifecycle.py).
     using: dict[str, int] = field(default_factory=dict)
     used_at: dict[str, float] = field(default_factory=dict)
+    episode_at: dict[str, float] = field(default_factory=dict)  # model -> when an episode's turn last ended
     paused_query: str | None = None  # set while paused, so joiners are paused too
     adapter_locks: AdapterLocks = field(default_factory=AdapterLocks)
     # Set while generations may be dispatched; cleared by /pause (the proxy pauses itself, whether or not the
@@ -59,20 +60,29 @@ class ProxyState:
         prev = self.answer_s.get(replica_id)
         self.answer_s[replica_id] = now - sent_at if prev is None else 0.8 * prev + 0.2 * (now - sent_at)
 
-    def hold(self, model: str) -> None:
+    def hold(self, model: str, session: str | None = None) -> None:
         """A request naming `model` entered the proxy (it counts until `drop`, waiting included)."""
         self.using[model] = self.using.get(model, 0) + 1
 
-    def drop(self, model: str) -> None:
+    def drop(self, model: str, session: str | None = None) -> None:
+        """It ended. A turn of an episode (`session`) keeps its model in use for `session_idle_s` more: the
+        episode's next turn, after the environment's step, generates with the same version."""
         left = self.using.get(model, 0) - 1
         if left > 0:
             self.using[model] = left
         else:
             self.using.pop(model, None)
-        self.used_at[model] = time.monotonic()
+        now = time.monotonic()
+        self.used_at[model] = now
+        if session is not None:
+            self.episode_at[model] = now
 
     def idle_for(self, model: str) -> float:
-        """Seconds since a request last named `model` (0 while one does; infinite if none ever did)."""
+        """Seconds since a request last named `model` (0 while one does, or while an episode's turn named it
+        less than session_idle_s ago; infinite if none ever did)."""
         if self.using.get(model):
             return 0.0
-        return time.monotonic() - self.used_at.get(model, -math.inf)
+        now = time.monotonic()
+        if now - self.episode_at.get(model, -math.inf) < self.config.session_idle_s:
+            return 0.0
+        return now - self.used_at.get(model, -math.inf)

@@ -30,6 +30,11 @@ Three rules, in order:
   that registered its KV capacity (`kv_blocks`) is assumed to evict least
   recently used first: once more prompt blocks went to it than it holds, the
   oldest are forgotten as homes.
+* **An episode stays where it lives.** A request naming an episode (its
+  session key: the rollout worker's `X-Session-ID`) goes to the replica that
+  served the episode's last turn, unless that replica left, drains or is over
+  the bound a new group's home must fit (sessions.py says why the prefix
+  alone cannot tell); its first turn is placed by the rules below.
 * **A draining replica takes no new group** (it was asked to leave:
   `set_draining`), unless no other replica is left; the siblings of a group
   with requests in flight or expected there still follow it, whatever its
@@ -46,12 +51,14 @@ Three rules, in order:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.routing.groups import Groups
 from proxy.routing.prefix_hashes import text_keys, token_keys
 from proxy.routing.prefix_links import PrefixLinks
+from proxy.routing.sessions import Sessions
 
 PREFIX_HIT = "prefix_hit"
 NEW = "new"
@@ -99,6 +106,7 @@ class PrefixRouter:
         self._total_inflight = 0
         self._load: dict[str, float] = {}  # outstanding tokens, siblings' reservations included (groups.py)
         self._groups = Groups(self._load, max_groups)
+        self.sessions = Sessions(max_groups)  # where each named episode lives (sessions.py)
         self._kv_block: dict[str, int] = {}  # each replica's KV block size
         self._order: list[str] = []
         self._draining: set[str] = set()  # asked to leave: no new groups (set_draining)
@@ -146,6 +154,7 @@ class PrefixRouter:
             # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
             self._prefixes.forget_replicas(removed)
             self._groups.forget_replicas(removed)
+            self.sessions.forget_replicas(removed)
         self._order = wanted
 
     def set_draining(self, replicas: Iterable[str]) -> None:
@@ -266,15 +275,23 @@ class PrefixRouter:
         *,
         n: int = 1,
         max_tokens: int | None = None,
+        session: str | None = None,
     ) -> Decision | None:
         group, links = token_keys(token_ids, name, self.block_size)
-        return self._route(links, group, len(token_ids), False, exclude, n, max_tokens)
+        return self._route_session(links, group, len(token_ids), False, exclude, n, max_tokens, session)
 
     def route_text(
-        self, name: str, text: str, exclude: Iterable[str] = (), *, n: int = 1, max_tokens: int | None = None
+        self,
+        name: str,
+        text: str,
+        exclude: Iterable[str] = (),
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        session: str | None = None,
     ) -> Decision | None:
         group, links, tokens = text_keys(text, name, self.block_size)
-        return self._route(links, group, tokens, True, exclude, n, max_tokens)
+        return self._route_session(links, group, tokens, True, exclude, n, max_tokens, session)
 
     def route_any(self, exclude: Iterable[str] = ()) -> Decision | None:
         """A request without a prompt to hash: least-loaded."""
@@ -287,6 +304,26 @@ class PrefixRouter:
     def _cached(self, rid: str, tokens: int) -> int:
         bs = self._kv_block.get(rid, self.block_size)
         return tokens // bs * bs
+
+    def _route_session(self, links, group, prompt_tokens, text, exclude, n, max_tokens, session) -> Decision | None:
+        """A named episode's turn where it lives if that replica may take it; else (and every request without a
+        session) the rules below, and the episode lives where they put it. Arguments as `_route`'s."""
+        excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+        home = self.sessions.home(session) if session is not None else None
+        if home is not None and home.replica in self._load:
+            rid, closed = home.replica, self._closed(excluded)
+            low = min((self._load[r] for r in self._order if r not in closed), default=None)
+            if rid not in closed and low is not None and self._fits(rid, 0.0, low):
+                cached = min(self._cached(rid, home.prompt_tokens), max(prompt_tokens - 1, 0))
+                expected = min(float(max_tokens or math.inf), self.completion_tokens)
+                self._prefixes.remember(links, rid, own=True)
+                self.sessions.remember(session, rid, prompt_tokens)
+                self.decisions[PREFIX_HIT] += 1
+                return Decision(rid, PREFIX_HIT, 0, max(1, n) * expected + prompt_tokens - cached, None, cached)
+        decision = self._route(links, group, prompt_tokens, text, excluded, n, max_tokens)
+        if decision is not None and session is not None:
+            self.sessions.remember(session, decision.replica, prompt_tokens)
+        return decision
 
     def _route(
         self,

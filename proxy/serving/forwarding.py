@@ -137,18 +137,26 @@ class Forwarder:
         tried: set[str],
         n: int,
         max_tokens: int | None,
+        session: str | None,
     ):
-        router = self.state.router
+        router, model = self.state.router, payload["model"]
         if tokens is not None:
-            return router.route_tokens(payload["model"], tokens, tried, n=n, max_tokens=max_tokens)
-        return router.route_text(payload["model"], text or "", tried, n=n, max_tokens=max_tokens)
+            return router.route_tokens(model, tokens, tried, n=n, max_tokens=max_tokens, session=session)
+        return router.route_text(model, text or "", tried, n=n, max_tokens=max_tokens, session=session)
 
     async def generate(
-        self, path: str, body: bytes, sink: ClientSink, run: str | None = None, authorization: bytes | None = None
+        self,
+        path: str,
+        body: bytes,
+        sink: ClientSink,
+        run: str | None = None,
+        authorization: bytes | None = None,
+        session: str | None = None,
     ) -> None:
         """Route one completions/chat request and relay the answer to `sink`; never raises for replica failures.
         `run`: whose share of the slots it takes (a pool run's token names it; None: `run_of(model)`, or "").
-        `authorization`: the request's Authorization header, for the `gate` (a pool's)."""
+        `authorization`: the request's Authorization header, for the `gate` (a pool's). `session`: the episode
+        it is a turn of (its X-Session-ID header): kept on the episode's replica, its model held between turns."""
         try:
             payload = parse_generation(body)
             tokens, text = prompt_of(payload)
@@ -177,7 +185,7 @@ class Forwarder:
             run = self.run_of(model) if self.run_of is not None else ""
         if self.retired is not None and self._refused_as_retired(payload, run, sink):
             return
-        state.hold(model)
+        state.hold(model, session)
         try:
             if slots.locked():
                 self.waiting += 1
@@ -188,7 +196,7 @@ class Forwarder:
             else:
                 await slots.acquire()
         except BaseException:
-            state.drop(model)
+            state.drop(model, session)
             raise
         released = False
 
@@ -197,10 +205,10 @@ class Forwarder:
             if not released:
                 released = True
                 slots.release()
-                state.drop(model)
+                state.drop(model, session)
 
         try:
-            await self._generate(path, body, payload, tokens, text, sink, release_global, run)
+            await self._generate(path, body, payload, tokens, text, sink, release_global, run, session)
         except BaseException:
             release_global()
             raise
@@ -215,6 +223,7 @@ class Forwarder:
         sink: ClientSink,
         release_global: Callable[[], None],
         run: str,
+        session: str | None = None,
     ) -> None:
         state, router = self.state, self.state.router
         tried: set[str] = set()
@@ -226,7 +235,7 @@ class Forwarder:
         max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
         max_tokens = max_tokens if type(max_tokens) is int and max_tokens > 0 else None
         while True:
-            decision = self._route(payload, tokens, text, tried, sequences, max_tokens)
+            decision = self._route(payload, tokens, text, tried, sequences, max_tokens, session)
             if decision is None:
                 release_global()
                 why = f" (no answer from {sorted(tried)})" if tried else ""

@@ -155,11 +155,14 @@ class _ClientConn(asyncio.Protocol):
         if fast is not None:
             sink = self._sink = RawSink(self, req.keep_alive)
             forwarder = self.server.forwarder
+            # an episode's turn names its episode: routed where the episode lives (routing/sessions.py)
+            key = next((v for k, v in req.headers if k == b"x-session-id"), None)
+            session = key.decode(errors="replace") if key else None
             if forwarder.gate is None:
-                coro = forwarder.generate(fast, req.body, sink)
+                coro = forwarder.generate(fast, req.body, sink, session=session)
             else:  # a pool: the token says whose request it is and what it may name
                 auth = next((v for k, v in req.headers if k == b"authorization"), None)
-                coro = forwarder.generate(fast, req.body, sink, authorization=auth)
+                coro = forwarder.generate(fast, req.body, sink, authorization=auth, session=session)
         else:
             coro = self._asgi(req, path, query)
         task = self.loop.create_task(coro)

@@ -42,11 +42,12 @@ def test_the_proxy_loads_each_commit_everywhere_and_unloads_what_left_the_window
 
     async def body():
         cfg = config(fakes, watch_adapters=True, unload_idle_s=0.0)
-        async with running(store, manifest, cfg, fakes) as (_proxy, client, _):
+        async with running(store, manifest, cfg, fakes) as (proxy, client, _):
             live = (await client.get("/live_adapters")).json()
             assert live["newest"] is None and live["versions"] == [] and live["run_id"] == manifest.run_id
             adapters.publish(store, 1, ADAPTER_FILES)
             await until(lambda: all(held(f) == {name(1)} for f in fakes), "v1 on both replicas")
+            await until(lambda: name(1) in proxy.loaded, "v1 live in the proxy (after the last replica's answer)")
             live = (await client.get("/live_adapters")).json()
             assert live["newest"] == 1 and live["lora_name"] == name(1)
             for v in (2, 3, 4):
@@ -54,6 +55,8 @@ def test_the_proxy_loads_each_commit_everywhere_and_unloads_what_left_the_window
             # LATEST jumped to 4: the newest is loaded, and only the window (max_staleness 1: 3..4) stays
             await until(lambda: all(name(4) in held(f) for f in fakes), "v4 on both replicas")
             await until(lambda: all(name(1) not in held(f) for f in fakes), "v1 unloaded")
+            # the replicas answer the unload before the proxy forgets the version (after the last answer)
+            await until(lambda: name(1) not in proxy.loaded, "v1 forgotten by the proxy")
             live = (await client.get("/live_adapters")).json()
             assert live["newest"] == 4 and live["versions"] == [4], live  # 2 and 3 were never loaded
 
@@ -151,8 +154,10 @@ def test_a_restarted_proxy_unloads_versions_outside_the_window_that_its_replicas
 
     async def body():
         cfg = config([fake], watch_adapters=True, unload_idle_s=0.0)
-        async with running(store, manifest, cfg, [fake]) as (_proxy, client, _):
+        async with running(store, manifest, cfg, [fake]) as (proxy, client, _):
             await until(lambda: manifest.lora_name(1) not in fake.loaded, "v1 unloaded")
+            # the replica answers the unload before the proxy forgets the version (after the last answer)
+            await until(lambda: manifest.lora_name(1) not in proxy.loaded, "v1 forgotten by the proxy")
             assert (await client.get("/live_adapters")).json()["versions"] == [2, 3]
 
     asyncio.run(body())
