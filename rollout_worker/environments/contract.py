@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bucket.config import ConfigError
-from rollout_worker.environments.schema import tool_schema
+from rollout_worker.environments.schema import EnvSpecError, tool_schema
 
 TOOLS, STEP = "tools", "step"
 NOT_TOOLS = frozenset({"reset", "get_reward"})  # TRL's: every other public method is a tool
@@ -34,15 +33,15 @@ def import_factory(spec: str) -> Callable[[], Any]:
     """The callable named by 'package.module:factory'; a bad name is a setting error, reported at start."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise ConfigError(f"--rollout.environment {spec!r}: give it as package.module:factory")
+        raise EnvSpecError(f"--rollout.environment {spec!r}: give it as package.module:factory")
     try:
         obj: Any = importlib.import_module(module)
         for part in name.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--rollout.environment {spec!r} cannot be imported ({exc})") from None
+        raise EnvSpecError(f"--rollout.environment {spec!r} cannot be imported ({exc})") from None
     if not callable(obj):
-        raise ConfigError(f"--rollout.environment {spec!r} is not callable: name a class or a function")
+        raise EnvSpecError(f"--rollout.environment {spec!r} is not callable: name a class or a function")
     return obj
 
 
@@ -57,19 +56,21 @@ class Described:
 
 def tool_methods(env: Any) -> dict[str, Callable[..., Any]]:
     """The instance's tools, as TRL finds them: functions on the class (not properties), public, not reset or
-    get_reward."""
+    get_reward. Given the class itself (the worker's check at start), its functions."""
+    cls = env if inspect.isclass(env) else type(env)
     return {
         name: getattr(env, name)
-        for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
         if not name.startswith("_") and name not in NOT_TOOLS
     }
 
 
 def describe(env: Any) -> Described:
-    """The contract an instance follows; raises ConfigError when it follows neither."""
-    cls = type(env).__name__
+    """The contract an instance (or a class) follows; raises EnvSpecError when it follows neither, or when a
+    tool's schema cannot be built."""
+    cls = (env if inspect.isclass(env) else type(env)).__name__
     if not callable(getattr(env, "reset", None)):
-        raise ConfigError(f"environment {cls} has no reset method: both contracts need reset(**row)")
+        raise EnvSpecError(f"environment {cls} has no reset method: both contracts need reset(**row)")
     if callable(getattr(env, "step", None)):
         return Described(STEP)
     has_reward = callable(getattr(env, "get_reward", None))

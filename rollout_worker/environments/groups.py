@@ -15,17 +15,20 @@ get TRL's arguments and `environments=` (each episode's instance as it ended).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from typing import Any
 
 from bucket import events
+from bucket.config import ConfigError
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
-from rollout_worker.environments.contract import import_factory
+from rollout_worker.environments.contract import describe, import_factory
 from rollout_worker.environments.episode import Episode, EpisodeRun, Limits
 from rollout_worker.environments.host import EnvHosts
+from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.environments.stream import Renderer
 from rollout_worker.generation import AdapterRetired, Generator
 from rollout_worker.live_adapter import LiveAdapter
@@ -59,7 +62,12 @@ class EpisodeGroups:
         sampling: SamplingParams,
         max_episodes: int,
     ):
-        import_factory(spec)  # a bad name fails at start; instances are made in their own processes only
+        try:  # a bad name, or a class that follows neither contract, fails at start
+            factory = import_factory(spec)
+            if inspect.isclass(factory):  # instances are made in their own processes only
+                describe(factory)
+        except EnvSpecError as exc:
+            raise ConfigError(str(exc)) from None
         self.spec, self.limits, self.gen, self.scorer, self.ev, self.sampling = (
             spec,
             limits,

@@ -26,7 +26,11 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from bucket.config import ConfigError
+
+class EnvSpecError(ValueError):
+    """An environment or tool that cannot be used as written (the worker reports it as a setting error). Kept
+    here, free of the worker's imports: an environment's process imports only this folder's contract."""
+
 
 _PRIMITIVES: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},
@@ -97,7 +101,7 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     try:
         hints = typing.get_type_hints(fn)
     except Exception as exc:  # noqa: BLE001 - a hint naming something the module cannot resolve
-        raise ConfigError(f"tool {name!r}: its type hints cannot be read ({exc})") from None
+        raise EnvSpecError(f"tool {name!r}: its type hints cannot be read ({exc})") from None
     description, arg_docs, returns = parse_docstring(inspect.getdoc(fn) or "")
     properties: dict[str, Any] = {}
     required = []
@@ -105,7 +109,7 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         if pname == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         if pname not in hints:
-            raise ConfigError(
+            raise EnvSpecError(
                 f"tool {name!r}: argument {pname!r} has no type hint; every tool argument needs one (the model is "
                 "told its type), as TRL's get_json_schema requires"
             )

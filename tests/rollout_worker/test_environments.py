@@ -11,25 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from bucket import events
-from bucket.config import ConfigError
-from bucket.rollouts import SamplingParams, ShardWriter
+from bucket.rollouts import SamplingParams, ShardWriter, read_shards
 from infra.summary import render, summarize
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.environments.contract import STEP, TOOLS, EnvError, describe, import_factory
 from rollout_worker.environments.episode import SESSION_HEADER, EpisodeRun, Limits
 from rollout_worker.environments.groups import EpisodeGroups
 from rollout_worker.environments.host import EnvHosts
+from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.environments.stream import Renderer, extension
 from rollout_worker.environments.tool_calls import parse_tool_calls
 from rollout_worker.generation import Generator
 from rollout_worker.live_adapter import LiveAdapter
 from rollout_worker.rewards import Scorer
-from tests.helpers import proxied
+from tests.helpers import REPO_ROOT, free_port, host_timeout, proxied, stop, wait_http
 
 HERE = "tests.rollout_worker.test_environments"
 
@@ -111,6 +113,14 @@ def _claim(path: str) -> bool:
         return False
 
 
+class NoHint:
+    def reset(self, **row) -> None:
+        return None
+
+    def poke(self, x) -> str:
+        return str(x)
+
+
 def make_countdown() -> Countdown:
     """A factory function, as TRL accepts any callable."""
     return Countdown()
@@ -140,9 +150,12 @@ def test_contracts_and_tool_schema_as_trl_builds_them():
             },
         }
     ]
-    with pytest.raises(ConfigError, match="package.module:factory"):
+    assert describe(Calculator).tools == calc.tools  # the worker's check at start, on the class
+    with pytest.raises(EnvSpecError, match="argument 'x' has no type hint"):
+        describe(NoHint)
+    with pytest.raises(EnvSpecError, match="package.module:factory"):
         import_factory("no_colon")
-    with pytest.raises(ConfigError, match="cannot be imported"):
+    with pytest.raises(EnvSpecError, match="cannot be imported"):
         import_factory(f"{HERE}:Missing")
 
 
@@ -329,3 +342,42 @@ def test_a_group_keeps_its_good_episodes_when_one_environment_hangs(vllm_replica
     assert "episodes              2 written, 3 ended by an environment error; per episode: 3.00 turns" in render(
         summary
     )
+
+
+def test_the_worker_writes_episodes_in_the_shard_format(vllm_replicas, tmp_path):
+    """`python -m rollout_worker --rollout.environment ...` behind a real proxy: one group of episodes written."""
+    store, _, manifest = vllm_replicas
+    env = {**os.environ, "BRIGADE_PROXY_ADMIN_TOKEN": "test-admin-token"}
+    port = free_port()
+    common = ["--bucket", store.url, "--bucket.manifest-wait-s", "5"]
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *common, "--proxy.port", str(port)],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 60, proxy)
+        worker = subprocess.run(
+            [sys.executable, "-m", "rollout_worker", *common, "--rollout.proxy-url", f"http://127.0.0.1:{port}"]
+            + ["--rollout.worker-id", "w-env", "--rollout.environment", f"{HERE}:Countdown"]
+            + ["--rollout.max-groups", "1", "--rollout.max-turns", "2", "--rollout.max-completion-length", "6"]
+            + ["--rollout.eval-size", "0", "--rollout.max-unconsumed-groups", "0", "--rollout.metrics", "false"],
+            env=env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=host_timeout(300),
+        )
+    finally:
+        stop(proxy)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    (group,) = [g for r in read_shards(store, {}) if r.record.writer == "w-env" for g in r.shard.groups]
+    assert len(group.samples) == manifest.num_generations
+    for s in group.samples:
+        assert [t.version for t in s.turns] == [group.adapter_version] * 2  # one policy per episode
+        assert len({t.replica for t in s.turns}) == 1  # both turns where the first went (two replicas, idle)
+        assert s.loss_mask[: s.turns[0].end] == [1] * s.turns[0].end and 0 in s.loss_mask
+        # both replies were stepped (the last one too: the environment sees every reply), 0.25 each
+        assert s.reward == 0.5 and s.finish_reason == "max_turns"
