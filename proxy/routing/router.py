@@ -46,7 +46,7 @@ Three rules, in order:
   worth of the least-loaded one, less a group's expected siblings (at least
   a quarter of it), the one given the fewest requests so far wins, so that
   over a run every replica serves its share even when some drew longer
-  completions.
+  completions (the counts: loads.py).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.routing.groups import Groups
+from proxy.routing.loads import Loads
 from proxy.routing.prefix_hashes import text_keys, token_keys
 from proxy.routing.prefix_links import PrefixLinks
 from proxy.routing.sessions import Sessions
@@ -102,19 +103,12 @@ class PrefixRouter:
         self.max_blocks = max_blocks
         self.max_groups = max_groups
         self._prefixes = PrefixLinks(max_blocks)  # where prompts' blocks live (prefix_links.py)
-        self._inflight: dict[str, int] = {}
-        self._total_inflight = 0
-        self._load: dict[str, float] = {}  # outstanding tokens, siblings' reservations included (groups.py)
+        self._loads = Loads()  # what each replica carries (loads.py)
+        self._load = self._loads.load  # outstanding tokens per replica: the same dict, never rebound
         self._groups = Groups(self._load, max_groups)
         self.sessions = Sessions(max_groups)  # where each named episode lives (sessions.py)
         self._kv_block: dict[str, int] = {}  # each replica's KV block size
-        self._order: list[str] = []
         self._draining: set[str] = set()  # asked to leave: no new groups (set_draining)
-        # When each replica was last given work by load: ties among equally loaded replicas go to the one
-        # that waited longest, so sequential new prompts alternate instead of piling up.
-        self._last_given: dict[str, int] = {}
-        self._given = 0
-        self._assigned: dict[str, float] = {}  # requests placed on each replica (a joiner starts at the mean)
         self._template_links = {False: 0, True: 0}  # shared links at the start of the latest new prompt
         self.completion_tokens = DEFAULT_COMPLETION_TOKENS  # expected completion length (moving average)
         self.decisions: dict[str, int] = {k: 0 for k in DECISION_KINDS}
@@ -122,7 +116,7 @@ class PrefixRouter:
     # -- replica set ------------------------------------------------------------------------
     @property
     def replicas(self) -> list[str]:
-        return list(self._order)
+        return list(self._loads.order)
 
     def set_replicas(self, replicas: Iterable[str] | Mapping[str, object]) -> None:
         """The replicas that may receive traffic; a mapping's values may carry `block_size` (their KV block)
@@ -137,30 +131,22 @@ class PrefixRouter:
                 blocks = getattr(info, "kv_blocks", 0)
                 if isinstance(blocks, int) and blocks > 0 and isinstance(size, int) and size > 0:
                     self._prefixes.set_capacity(rid, max(1, blocks * size // self.block_size))
-        known = [self._assigned[r] for r in self._order if r in self._assigned and r in wanted]
-        mean = sum(known) / len(known) if known else 0.0
         for rid in wanted:
-            self._assigned.setdefault(rid, mean)
-            self._inflight.setdefault(rid, 0)
-            self._load.setdefault(rid, 0.0)
             self._kv_block[rid] = sizes.get(rid, self._kv_block.get(rid, self.block_size))
-        removed = set(self._order) - set(wanted)
+        removed = self._loads.set_replicas(wanted)
         for rid in removed:
-            self._total_inflight -= self._inflight.get(rid, 0)
-            for table in (self._inflight, self._load, self._last_given, self._kv_block, self._assigned):
-                table.pop(rid, None)
+            self._kv_block.pop(rid, None)
         self._draining -= removed
         if removed:
             # A removed replica's cache is gone (or unreachable): its links and groups must not attract traffic.
             self._prefixes.forget_replicas(removed)
             self._groups.forget_replicas(removed)
             self.sessions.forget_replicas(removed)
-        self._order = wanted
 
     def set_draining(self, replicas: Iterable[str]) -> None:
         """Replicas asked to leave: no new group goes there while another replica can take it; the siblings of a
         group with requests in flight or expected there still follow it (the group stays whole)."""
-        self._draining = {r for r in replicas if r in self._inflight}
+        self._draining = {r for r in replicas if r in self._loads.inflight}
 
     @property
     def draining(self) -> set[str]:
@@ -171,23 +157,24 @@ class PrefixRouter:
         if not self._draining:
             return excluded
         closed = set(excluded) | self._draining
-        return closed if any(r not in closed for r in self._order) else excluded
+        return closed if any(r not in closed for r in self._loads.order) else excluded
 
     # -- state, for status and metrics --------------------------------------------------------
     def inflight(self, replica_id: str) -> int:
-        return self._inflight.get(replica_id, 0)
+        return self._loads.inflight.get(replica_id, 0)
 
     def expecting(self, replica_id: str) -> bool:
         """Whether siblings of a group placed there are still expected (its reservation has not lapsed)."""
         return self._groups.reserved.get(replica_id, 0.0) > 0.0
 
     def inflight_all(self) -> dict[str, int]:
-        return {rid: self._inflight[rid] for rid in self._order}
+        inflight = self._loads.inflight
+        return {rid: inflight[rid] for rid in self._loads.order}
 
     def load_all(self) -> dict[str, float]:
         """Outstanding tokens per replica (of the requests in flight: without the siblings' reservations)."""
         reserved = self._groups.reserved
-        return {rid: max(0.0, self._load[rid] - reserved.get(rid, 0.0)) for rid in self._order}
+        return {rid: max(0.0, self._load[rid] - reserved.get(rid, 0.0)) for rid in self._loads.order}
 
     def known_blocks(self) -> int:
         return len(self._prefixes)
@@ -202,12 +189,8 @@ class PrefixRouter:
     # -- in-flight accounting -----------------------------------------------------------------
     def start(self, d: Decision | str) -> None:
         rid, cost, group = (d, self._unit_cost(), None) if isinstance(d, str) else (d.replica, d.cost, d.group)
-        if rid not in self._inflight:
+        if not self._loads.start(rid, cost):
             return
-        self._inflight[rid] += 1
-        self._total_inflight += 1
-        self._assigned[rid] += 1
-        self._load[rid] += cost
         g = self._groups.get(group)
         if g is not None and g.replica == rid:
             self._groups.started(g, cost)
@@ -216,10 +199,7 @@ class PrefixRouter:
         rid, cost, group = (d, self._unit_cost(), None) if isinstance(d, str) else (d.replica, d.cost, d.group)
         if completion_tokens is not None and completion_tokens >= 0:
             self.completion_tokens += EMA_WEIGHT * (completion_tokens - self.completion_tokens)
-        if self._inflight.get(rid, 0) > 0:
-            self._inflight[rid] -= 1
-            self._total_inflight -= 1
-            self._load[rid] = max(0.0, self._load[rid] - cost)
+        self._loads.finish(rid, cost)
         g = self._groups.get(group)
         if g is not None and g.replica == rid:
             g.load = max(0.0, g.load - cost)
@@ -230,37 +210,13 @@ class PrefixRouter:
     def least_loaded(self, exclude: Iterable[str] = ()) -> str | None:
         """The replica with the fewest outstanding tokens (for requests that place no prompt: changes nothing)."""
         skip = self._closed(exclude if isinstance(exclude, (set, frozenset)) else set(exclude))
-        best, best_key = None, None
-        for r in self._order:
-            if r in skip:
-                continue
-            key = (self._load[r], self._inflight[r], self._last_given.get(r, -1))
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        return best
+        return self._loads.least_loaded(skip)
 
-    def _give_by_load(self, excluded: set[str]) -> str | None:
+    def _give_by_load(self, excluded: set[str] | frozenset[str]) -> str | None:
         """Where a new (or moving) group goes: the fewest requests so far among the replicas near the least load."""
-        low = None
-        for r in self._order:
-            if r not in excluded and (low is None or self._load[r] < low):
-                low = self._load[r]
-        if low is None:
-            return None
         # Near: leaves a group placed there room for the siblings that other groups placed later bring.
         window = max(PLACEMENT_SLACK * self.spill_threshold, self.spill_threshold - self._groups.siblings)
-        near = low + window * self._unit_cost()
-        choice, best = None, None
-        for r in self._order:
-            if r in excluded or self._load[r] > near:
-                continue
-            key = (self._assigned[r], self._load[r], self._last_given.get(r, -1))
-            if best is None or key < best:
-                choice, best = r, key
-        if choice is not None:
-            self._given += 1
-            self._last_given[choice] = self._given
-        return choice
+        return self._loads.give_by_load(excluded, window * self._unit_cost())
 
     def _fits(self, rid: str, own: float, low: float) -> bool:
         """Whether `rid`, counted without the group's own requests, is within its allowance."""
@@ -312,7 +268,7 @@ class PrefixRouter:
         home = self.sessions.home(session) if session is not None else None
         if home is not None and home.replica in self._load:
             rid, closed = home.replica, self._closed(excluded)
-            low = min((self._load[r] for r in self._order if r not in closed), default=None)
+            low = min((self._load[r] for r in self._loads.order if r not in closed), default=None)
             if rid not in closed and low is not None and self._fits(rid, 0.0, low):
                 cached = min(self._cached(rid, home.prompt_tokens), max(prompt_tokens - 1, 0))
                 expected = min(float(max_tokens or math.inf), self.completion_tokens)
@@ -338,8 +294,8 @@ class PrefixRouter:
         excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
         closed = self._closed(excluded)  # where a new (or moving) group may not go
         groups = self._groups
-        groups.expire(self._total_inflight)
-        loads = [self._load[r] for r in self._order if r not in closed]
+        groups.expire(self._loads.total_inflight)
+        loads = [self._load[r] for r in self._loads.order if r not in closed]
         if not loads:
             return None
         low = min(loads)
