@@ -1,19 +1,23 @@
 """Benchmark: one GRPO optimizer step of the trainer on synthetic groups, packed, against the old per-group step.
 
-    python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b] [--lengths fixed|longtail]
-        [--device cuda] [--groups N] [--token-budget T] [--no-compile]
+    python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b|qwen2.5-7b|qwen3-8b]
+        [--lengths fixed|longtail] [--device cuda] [--groups N] [--token-budget T] [--no-compile] [--fresh]
+        [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...]
 
 Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
 decoder layers compiled on a GPU (`compile`, rank-1 LoRA as fused element-wise work).
 
 The packed step is the trainer's (trainer/grpo.py `accumulate` on trainer/packing.py micro-batches, then clip
-and AdamW). The reference is the step brigade had before packing (`reference_step` below, kept unchanged: one
+and AdamW). The reference is the step brigade had before packing (benchmarks/trainer_reference.py, unchanged: one
 group at a time, prompt KV cache shared by its completions, completions padded to the group's longest,
 full-vocabulary fp32 log-softmax), timed on the same data; `speedup_vs_unpacked` is its time over the packed
-step's. Weights are random (a model of the shape's config): speed does not depend on them.
+step's. Weights are random (a model of the shape's config, benchmarks/trainer_shapes.py): speed does not
+depend on them.
 
 Lengths: `fixed` = --prompt-tokens + --completion-tokens for every sample; `longtail` (seed 0) = prompts
 uniform in 40-200 tokens, completions lognormal(0, 1) x 300 tokens clipped to [16, 2048] (to 512 on CPU).
+`--fresh`: new groups (seed = step number) every step, as a run sees them; the JSON then says how many distinct
+row lengths the run compiled (`row_lengths`) and how long the steps that compiled one took (`compile_steps_s`).
 
 MFU = (4 x parameters x distinct tokens + 3 x causal attention forward FLOPs) / (step time x 989 TFLOP/s),
 distinct tokens counting a group's prompt once; GPU only. The last line is one JSON object.
@@ -23,166 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 from benchmarks.report import with_cpu
+from benchmarks.trainer_liger import apply_liger, parse_parts
+from benchmarks.trainer_reference import StepStats, accumulate_group_loss
+from benchmarks.trainer_shapes import SHAPES, flops, make_groups, model_classes
 
-# SmolLM2-135M's and Qwen2.5-1.5B's shapes (their config.json), so the benchmark runs anywhere without model files.
-SHAPES = {
-    "smollm2-135m": (
-        "llama",
-        dict(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            max_position_embeddings=8192,
-            rope_theta=100000.0,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "qwen2.5-1.5b": (
-        "qwen2",
-        dict(
-            vocab_size=151936,
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
-    ),
-}
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the issue's MFU denominator
-
-
-# -- the step brigade had before packing, unchanged (trainer/grpo.py at commit fb6c38e) -------------------------
-@dataclass
-class StepStats:
-    loss: float = 0.0
-    ratio: float = 0.0  # mean exp(logp_trainer - logp_vllm) over completion tokens
-    clip_ratio: float = 0.0  # fraction of tokens whose ratio was clipped
-    kl: float = 0.0  # mean (ratio - 1) - log(ratio): k3 estimate of KL(vllm || trainer)
-    tokens: int = 0
-
-
-def group_advantages(rewards, eps: float = 1e-4):
-    std = rewards.std(unbiased=False)
-    return (rewards - rewards.mean()) / (std + eps)
-
-
-def group_logprobs(model, prompt_ids, completions, temperature, pad_id):
-    import torch
-
-    device = next(model.parameters()).device
-    g, width = len(completions), max(len(c) for c in completions)
-    comp = torch.full((g, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((g, width), dtype=torch.bool)
-    for i, c in enumerate(completions):
-        comp[i, : len(c)] = torch.tensor(c)
-        mask[i, : len(c)] = True
-    comp, mask = comp.to(device), mask.to(device)
-    prompt = torch.tensor([prompt_ids], device=device)
-    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    # the prompt's last position predicts every completion's first token ...
-    logits = out.logits[:, -1:].float().expand(g, 1, -1)
-    if width > 1:
-        # ... and completion position t predicts token t + 1
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(g)
-        attn = torch.cat([torch.ones((g, prompt.shape[1]), dtype=torch.long, device=device), mask.long()], dim=1)
-        rest = model(input_ids=comp[:, :-1], attention_mask=attn[:, :-1], past_key_values=cache, use_cache=True)
-        logits = torch.cat([logits, rest.logits.float()], dim=1)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, comp[:, :, None]).squeeze(-1), mask
-
-
-def accumulate_group_loss(model, group, total_tokens, epsilon, temperature, pad_id, stats):
-    import torch
-
-    logp, comp = group_logprobs(
-        model, group.prompt_ids, [s.completion_ids or [pad_id] for s in group.samples], temperature, pad_id
-    )
-    old = torch.zeros_like(logp)
-    for i, s in enumerate(group.samples):
-        n = len(s.completion_ids)
-        comp[i, n:] = False
-        old[i, :n] = torch.tensor(s.logprobs[:n], dtype=torch.float32)
-    adv = group_advantages(torch.tensor([s.reward for s in group.samples], dtype=torch.float32, device=logp.device))
-    log_ratio = (logp - old).clamp(-20, 20)
-    ratio = torch.exp(log_ratio)
-    a = adv[:, None]
-    unclipped = ratio * a
-    clipped = ratio.clamp(1 - epsilon, 1 + epsilon) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    loss = (per_token * comp).sum() / max(total_tokens, 1)
-    loss.backward()
-    with torch.no_grad():
-        r = ratio[comp]
-        stats.loss += loss.item()
-        stats.ratio += r.sum().item()
-        stats.clip_ratio += ((r < 1 - epsilon) | (r > 1 + epsilon)).sum().item()
-        stats.kl += ((r - 1) - log_ratio[comp]).sum().item()
-        stats.tokens += int(comp.sum().item())
-
-
-# -- data ----------------------------------------------------------------------------------------------------------
-def make_groups(args, vocab: int):
-    from bucket.rollouts import Sample, SamplingParams, ScoredGroup
-
-    rng = random.Random(0)
-    cap = 2048 if args.device.startswith("cuda") else 512
-    groups = []
-    for _ in range(args.groups):
-        if args.lengths == "longtail":
-            p = rng.randint(40, 200)
-            lengths = [min(max(int(rng.lognormvariate(0, 1) * 300), 16), cap) for _ in range(args.generations)]
-        else:
-            p, lengths = args.prompt_tokens, [args.completion_tokens] * args.generations
-        samples = [
-            Sample(
-                completion_ids=[rng.randrange(100, vocab) for _ in range(n)],
-                logprobs=[-2.0] * n,
-                text="",
-                reward=float(k % 2),  # every group has signal (none is skipped)
-            )
-            for k, n in enumerate(lengths)
-        ]
-        groups.append(
-            ScoredGroup(
-                prompt_id="b",
-                prompt="",
-                prompt_ids=[rng.randrange(100, vocab) for _ in range(p)],
-                adapter_version=0,
-                sampling=SamplingParams(temperature=1.0),
-                samples=samples,
-            )
-        )
-    return groups
-
-
-def flops(groups, n_params: int, hidden: int, layers: int) -> tuple[int, float]:
-    """Distinct tokens (a prompt once per group) and the issue's FLOP count for one step on them."""
-    tokens, pairs = 0, 0.0
-    for g in groups:
-        p = len(g.prompt_ids)
-        tokens += p + sum(len(s.completion_ids) for s in g.samples)
-        pairs += p * p / 2 + sum(len(s.completion_ids) * p + len(s.completion_ids) ** 2 / 2 for s in g.samples)
-    attention_fwd = 4 * hidden * layers * pairs  # QK^T and PV, 2 FLOPs per multiply-add, causal pairs
-    return tokens, 4 * n_params * tokens + 3 * attention_fwd
 
 
 def fsdp2_shard(model) -> None:
@@ -239,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         "(decoder layers sharded)",
     )
     p.add_argument("--profile", default="", help="write a torch.profiler table of one packed step to this file")
+    p.add_argument("--fresh", action="store_true", help="new groups every step (seed = step number)")
+    p.add_argument("--liger", default="", help="liger-kernel parts: all, or rms_norm,swiglu,rope")
+    p.add_argument("--lora-targets", default="", help="comma list of LoRA target modules (default: the run spec's)")
+    p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0 = its own)")
     args = p.parse_args(argv)
     gpu = args.device.startswith("cuda")
     args.groups = args.groups or (16 if gpu else 4)
 
     import torch
     from peft.tuners.lora import LoraLayer
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from bucket.manifest import RunSpec
     from trainer.distributed import DataParallel
@@ -267,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     device = dp.device if dp.world > 1 else torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     family, shape = SHAPES[args.shape]
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    shape = {**shape, **({"num_hidden_layers": args.layers} if args.layers else {})}
+    config_cls, model_cls = model_classes(family)
+    liger_parts = parse_parts(args.liger)
     with device:
         base = model_cls(config_cls(**shape)).to(dtype)
     base.set_attn_implementation(PACKED_ATTENTION)
     n_params = sum(q.numel() for q in base.parameters())
-    model = wrap_lora(base, RunSpec()).to(device).train()
+    spec = RunSpec(**({"lora_target_modules": args.lora_targets.split(",")} if args.lora_targets else {}))
+    model = wrap_lora(base, spec).to(device).train()
+    apply_liger(model, liger_parts)
     matmul_dtype = resolve_matmul_dtype(args.dtype, device)  # as the trainer: bf16 matmuls on a CPU with native bf16
     set_matmul_dtype(model, matmul_dtype)
     if args.peft_lora:
@@ -288,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     pad = budget if args.static else row_quantum(budget) if args.compile else FLEX_BLOCK if gpu else 1
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-    groups = make_groups(args, shape["vocab_size"])
-    tokens, step_flops = flops(groups, n_params, shape["hidden_size"], shape["num_hidden_layers"])
+    q_width = shape["num_attention_heads"] * shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+
+    def step_data(step: int) -> tuple[list, int, float]:
+        groups = make_groups(args, shape["vocab_size"], seed=step if args.fresh else 0)
+        return (groups, *flops(groups, n_params, shape["hidden_size"], shape["num_hidden_layers"], q_width))
+
+    groups, tokens, step_flops = step_data(0)
+    row_lengths: set[int] = set()
     loss_cfg = LossConfig()
 
     def sync() -> None:
@@ -305,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         planned = rows(completions(groups, advs, loss_cfg), budget)
         opt.zero_grad(set_to_none=True)
         mine = dp.share(planned, row_tokens)
+        row_lengths.update(row_tokens(units) + (-row_tokens(units) % pad) for units in mine)
         if args.dp == "fsdp2" and dp.world > 1:
             # FSDP2's gathers are collectives: every rank must run as many forwards (true of this data)
             assert len(planned) % dp.world == 0, "fsdp2 here needs a row count divisible by the world size"
@@ -333,10 +202,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(2 if gpu else 1):
-        packed_step()  # warm-up (and, on GPU, compilation)
-    times = [packed_step() for _ in range(args.steps)]
-    step_s = statistics.median(times)
+    warmup = 2 if gpu else 1
+    warm_s = [packed_step() for _ in range(warmup)]  # warm-up (and, on GPU, compilation)
+    times, flops_done, tokens_done, compile_steps = [], 0.0, 0, []
+    for step in range(args.steps):
+        if args.fresh:  # the data is made before the clock starts, as a trainer's buffer holds it
+            groups, tokens, step_flops = step_data(warmup + step)
+        seen = len(row_lengths)
+        t = packed_step()
+        if args.compile and len(row_lengths) > seen:
+            compile_steps.append(t)  # a new row length: this step compiled it
+        else:
+            times.append(t)
+            flops_done += step_flops
+            tokens_done += tokens
+    step_s = statistics.median(times) if times else float("nan")
+    # over the steps that compiled nothing: fresh data varies in tokens, so rates are totals over totals
+    tok_s, mfu_flops = (tokens_done / sum(times), flops_done / sum(times)) if times else (0.0, 0.0)
+    reserved_gb = torch.cuda.max_memory_reserved() / 2**30 if gpu else None
     peak_gb = (
         torch.cuda.max_memory_allocated() / 2**30 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     )
@@ -375,10 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         "token_budget": budget,
         "micro_batches": packed_step.micro_batches,
         "step_s": step_s,
-        "step_s_min": min(times),
-        "tok_s": tokens / step_s,
-        "mfu": step_flops / (step_s * PEAK_FLOPS * dp.world) if gpu else None,  # per GPU
+        "step_s_min": min(times, default=None),
+        "tok_s": tok_s,
+        "mfu": mfu_flops / (PEAK_FLOPS * dp.world) if gpu else None,  # per GPU
         "peak_gb": peak_gb,
+        "peak_reserved_gb": reserved_gb,
+        "params": n_params,
+        "fresh": args.fresh,
+        "timed_steps": len(times),
+        "warmup_s": warm_s,
+        "compile_steps_s": compile_steps,
+        "row_lengths": sorted(row_lengths),
+        "liger": list(liger_parts),
+        "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,
         "reference_mfu": step_flops / (ref_s * PEAK_FLOPS) if gpu and ref_s else None,
         "speedup_vs_unpacked": ref_s / step_s if ref_s else None,

@@ -1,0 +1,111 @@
+"""Check: a fused path's loss and LoRA gradients against the trainer's own path, on one GPU, in bf16.
+
+    python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all]
+
+The same random weights (and a random, non-zero LoRA B, so that every LoRA gradient is non-zero) run one
+long-tail step's rows three ways: the trainer's default (layers compiled), the same eager, and the candidate
+(`--liger` parts, compiled). bf16 rounding makes any two kernel orders differ a little; the candidate passes
+when it is no farther from the default than the eager path is (x `--slack`), and its gradients point the same
+way (cosine >= 0.999). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from benchmarks.trainer_liger import apply_liger, parse_parts
+from benchmarks.trainer_shapes import SHAPES, make_groups, model_classes
+
+
+def run_path(args, liger: str, compile_: bool) -> tuple[float, dict]:
+    import torch
+
+    from bucket.manifest import RunSpec
+    from trainer.grpo import LossConfig, accumulate, advantages, completions
+    from trainer.model import compile_layers, wrap_lora
+    from trainer.packing import PACKED_ATTENTION, build, row_quantum, rows, set_matmul_dtype
+
+    family, shape = SHAPES[args.shape]
+    config_cls, model_cls = model_classes(family)
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    with device:
+        base = model_cls(config_cls(**{**shape, "num_hidden_layers": args.layers})).to(torch.bfloat16)
+    base.set_attn_implementation(PACKED_ATTENTION)
+    model = wrap_lora(base, RunSpec()).to(device).train()
+    set_matmul_dtype(model, torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, which would leave every A gradient zero
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 1e-2)
+    apply_liger(model, parse_parts(liger))
+    if compile_:
+        compile_layers(model)
+    budget = args.token_budget
+    groups = make_groups(args, shape["vocab_size"])
+    cfg = LossConfig()
+    advs, _ = advantages(groups, cfg.scale_rewards)
+    pad = row_quantum(budget) if compile_ else 128
+    mbs = (build(units, pad).to(device) for units in rows(completions(groups, advs, cfg), budget))
+    sums = accumulate(model, mbs, cfg)
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    loss = float(sums[1])
+    del model, base
+    torch.cuda.empty_cache()
+    return loss, grads
+
+
+def compare(a: tuple[float, dict], b: tuple[float, dict]) -> dict:
+    import torch
+
+    ga = torch.cat([g.flatten() for g in a[1].values()])
+    gb = torch.cat([b[1][n].flatten() for n in a[1]])
+    return {
+        "loss_abs_diff": abs(a[0] - b[0]),
+        "grad_rel_diff": float((ga - gb).norm() / ga.norm()),
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(ga, gb, dim=0)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--liger", default="all")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--slack", type=float, default=2.0)
+    args = p.parse_args(argv)
+    args.device, args.lengths = "cuda", "longtail"
+
+    import torch
+
+    default = run_path(args, "", True)
+    eager = compare(default, run_path(args, "", False))
+    fused = compare(default, run_path(args, args.liger, True))
+    ok = (
+        fused["grad_cosine"] >= 0.999
+        and fused["grad_rel_diff"] <= args.slack * max(eager["grad_rel_diff"], 1e-3)
+        and fused["loss_abs_diff"] <= args.slack * max(eager["loss_abs_diff"], 1e-4 * abs(default[0]))
+    )
+    result = {
+        "benchmark": "trainer_fused_check",
+        "gpu": torch.cuda.get_device_name(),
+        "shape": args.shape,
+        "layers": args.layers,
+        "liger": args.liger,
+        "loss": default[0],
+        "eager_vs_default": eager,
+        "fused_vs_default": fused,
+        "ok": ok,
+    }
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The trainer's GPU measurements (issue 32) as one device command: `bash benchmarks/trainer_gpu.sh SET`, run on a
+# GPU machine from the repo root with $OUT set (results.jsonl: each run's JSON line, log.txt: everything printed,
+# prof_*.txt: profile tables). Wheels the image lacks travel in .whl/ (pydantic, trl, liger-kernel).
+# Each run gets at most what is left of BUDGET_S seconds, so the command ends inside the device's limit.
+set -u
+SET=${1:?usage: trainer_gpu.sh SET}
+BUDGET_S=${BUDGET_S:-570}
+START=$(date +%s)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+
+left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+
+# run NAME CAP_S MODULE ARGS...: the module's last line (its JSON) goes to results.jsonl, tagged with NAME
+run() {
+    local name=$1 cap=$2 module=$3
+    shift 3
+    local t
+    t=$(left)
+    [ "$t" -gt "$cap" ] && t=$cap
+    if [ "$t" -lt 30 ]; then
+        echo "{\"run\": \"$name\", \"skipped\": \"no time left\"}" >>"$OUT/results.jsonl"
+        return
+    fi
+    echo "=== $name ($t s): $module $*" >>"$LOG"
+    local s0
+    s0=$(date +%s)
+    timeout "$t" python3 -m "$module" --json "$@" >"/tmp/$name.out" 2>&1
+    local rc=$?
+    cat "/tmp/$name.out" >>"$LOG"
+    local last
+    last=$(tail -n 1 "/tmp/$name.out")
+    if [ "${last:0:1}" = "{" ]; then
+        echo "{\"run\": \"$name\", \"rc\": $rc, \"wall_s\": $(($(date +%s) - s0)), \"result\": $last}" >>"$OUT/results.jsonl"
+    else
+        echo "{\"run\": \"$name\", \"rc\": $rc, \"wall_s\": $(($(date +%s) - s0)), \"result\": null}" >>"$OUT/results.jsonl"
+    fi
+}
+
+bench() { run "$1" "$2" benchmarks.trainer_step --device cuda "${@:3}"; }
+LT=(--shape qwen2.5-1.5b --lengths longtail)
+FIX=(--shape qwen2.5-1.5b --lengths fixed --prompt-tokens 200 --completion-tokens 512)
+
+case $SET in
+a)
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+        python3 -c "import sys, torch, triton, transformers, peft, trl, liger_kernel, trl.trainer.utils; print(sys.version, torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, peft.__version__, trl.__version__)"
+    } >>"$LOG" 2>&1
+    bench base_longtail 240 "${LT[@]}" --profile "$OUT/prof_longtail_before.txt"
+    bench base_fixed 180 "${FIX[@]}" --profile "$OUT/prof_fixed_before.txt"
+    bench liger_all_longtail 180 "${LT[@]}" --liger all
+    run fused_check 150 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --liger all
+    ;;
+b)
+    bench q7b_longtail 200 --shape qwen2.5-7b --lengths longtail
+    bench q8b_longtail 200 --shape qwen3-8b --lengths longtail
+    bench lora_q_only_longtail 150 "${LT[@]}" --lora-targets q_proj
+    bench fresh_longtail 150 "${LT[@]}" --fresh --steps 8
+    ;;
+*)
+    echo "unknown set $SET" >&2
+    exit 2
+    ;;
+esac
+echo "=== done after $(($(date +%s) - START)) s" >>"$LOG"
+cat "$OUT/results.jsonl"
