@@ -107,9 +107,16 @@ class EpisodeGroups:
 
     async def _group(self, row: dict[str, Any], model: str, version: int, n: int, extra: dict[str, Any]) -> ScoredGroup:
         key = uuid.uuid4().hex[:12]
-        episodes = await asyncio.gather(
-            *(self._episode(f"{row['prompt_id']}-{key}-{i}", row, model, version) for i in range(n))
-        )
+        tasks = [
+            asyncio.create_task(self._episode(f"{row['prompt_id']}-{key}-{i}", row, model, version)) for i in range(n)
+        ]
+        try:
+            episodes = await asyncio.gather(*tasks)
+        except BaseException:  # a generation failed for good (or the group was cancelled): siblings stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         for ep in episodes:
             if ep.error:
                 self.failed += 1
