@@ -24,6 +24,8 @@ from infra.plan.sizing import (
     sync_bytes,
     sync_seconds_per_step,
     trainable_parameters,
+    trainer_activation_bytes,
+    trainer_token_budget,
     training_state_bytes,
     weight_bytes,
 )
@@ -79,6 +81,7 @@ def figures(plan: Plan) -> dict[str, Any]:
         "trainable_parameters": trainable_parameters(arch, shape),
         "training_state_bytes": training_state_bytes(arch, shape),
         "trainer_bytes_per_gpu": split.trainer_bytes_per_gpu,
+        **_trainer_peak(plan),
         "rollouts_per_replica_by_mode": at_once,
         "concurrent_rollouts": split.concurrent_rollouts,
         "passes_per_step": math.ceil(shape.rollouts_per_step / split.concurrent_rollouts),
@@ -86,6 +89,24 @@ def figures(plan: Plan) -> dict[str, Any]:
         "sync_s_per_step": sync_seconds_per_step(sync, shape, plan.link.bytes_per_s),
         "full_weights_sync_s_per_step": sync_seconds_per_step(weight_bytes(arch), shape, plan.link.bytes_per_s),
         "allreduce_bytes_per_step": allreduce_bytes(arch, shape),
+    }
+
+
+def _trainer_peak(plan: Plan) -> dict[str, int | None]:
+    """The trainer's GPU memory at its peak: its state plus one row's activations at the token budget it would
+    pick on one of these GPUs (its state alone, as split sizes it, leaves the activations out; so does vLLM's
+    own activation memory when colocated). None on CPU."""
+    if plan.hardware.cpu:
+        return {"trainer_token_budget": None, "trainer_activation_bytes": None, "trainer_peak_bytes": None}
+    state = training_state_bytes(plan.arch, plan.shape)
+    # colocated, vLLM holds its share of the card before the trainer measures what is free
+    card = plan.hardware.gpu_memory * ((1 - plan.split.share) if plan.split.mode == "colocate" else 1)
+    budget = trainer_token_budget(plan.arch, card - state)
+    activations = trainer_activation_bytes(plan.arch, budget)
+    return {
+        "trainer_token_budget": budget,
+        "trainer_activation_bytes": activations,
+        "trainer_peak_bytes": state + activations,
     }
 
 
@@ -179,7 +200,20 @@ def _run_rows(plan: Plan, f: dict[str, Any]) -> list[tuple[str, str]]:
             f"{tokens} ({f['rollout_tokens']} in {block}-token blocks) = {_size(f['kv_bytes_per_rollout'])} of KV",
         ),
         ("training", f"{kind}: {trainable} trainable parameters"),
-        ("  state", f"{_size(f['training_state_bytes'])} = {state} (Adam); activations not included"),
+        ("  state", f"{_size(f['training_state_bytes'])} = {state} (Adam); activations below"),
+        *_activation_rows(f),
+    ]
+
+
+def _activation_rows(f: dict[str, Any]) -> list[tuple[str, str]]:
+    if f["trainer_token_budget"] is None:
+        return []
+    return [
+        (
+            "  activations",
+            f"{_size(f['trainer_activation_bytes'])} for rows of {f['trainer_token_budget']} tokens (the trainer's "
+            f"token budget on this GPU, compiled layers): peak {_size(f['trainer_peak_bytes'])}",
+        )
     ]
 
 

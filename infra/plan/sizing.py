@@ -105,3 +105,33 @@ def sync_seconds_per_step(nbytes: float, shape: RunShape, link_bytes_per_s: floa
 def allreduce_bytes(arch: ModelArch, shape: RunShape) -> int:
     """Gradient bytes each data-parallel trainer all-reduces per optimizer step."""
     return GRADIENT_BYTES * trainable_parameters(arch, shape)
+
+
+# The trainer's token budget on a GPU (trainer/model.py default_token_budget, mirrored here without torch; a test
+# checks that the two agree): the largest power of two in these bounds whose activations, by the trainer's
+# eager estimate of 2 x layers x (5 x intermediate + 2 x hidden) bytes a token, fit in this share of the memory
+# the training state leaves free.
+TRAINER_MEMORY_SHARE = 0.85
+TRAINER_TOKEN_BUDGETS = (4096, 65536)
+
+
+def trainer_budget_bytes_per_token(arch: ModelArch) -> int:
+    """The trainer's own (eager) estimate of a row's activation bytes per token, which picks its budget."""
+    return BF16_BYTES * arch.layers * (5 * arch.intermediate + 2 * arch.hidden)
+
+
+def trainer_token_budget(arch: ModelArch, free_bytes: float) -> int:
+    """The token budget the trainer picks on a GPU with `free_bytes` free once its state is loaded."""
+    low, high = TRAINER_TOKEN_BUDGETS
+    budget = low
+    while budget < high and 2 * budget * trainer_budget_bytes_per_token(arch) <= TRAINER_MEMORY_SHARE * free_bytes:
+        budget *= 2
+    return budget
+
+
+def trainer_activation_bytes(arch: ModelArch, tokens: int) -> int:
+    """Peak activations of one row of `tokens` tokens with the trainer's compiled layers: per layer and token about
+    2 intermediate-width values (the SwiGLU gate and up outputs its backward needs) and 6 hidden-width ones, in
+    BF16. Fitted to peaks measured on one H200 (docs/plan.md: Qwen2.5-1.5B, Qwen2.5-7B, Qwen3-8B, rank-1 LoRA on
+    every linear layer, within 4 %)."""
+    return BF16_BYTES * arch.layers * (2 * arch.intermediate + 6 * arch.hidden) * tokens
