@@ -26,7 +26,7 @@ from rollout_worker.environments.episode import SESSION_HEADER, EpisodeRun, Limi
 from rollout_worker.environments.groups import EpisodeGroups
 from rollout_worker.environments.host import EnvHosts
 from rollout_worker.environments.schema import EnvSpecError
-from rollout_worker.environments.stream import Renderer, extension
+from rollout_worker.environments.stream import Renderer, TemplateNotPrefixPreserving, extension
 from rollout_worker.environments.tool_calls import parse_tool_calls
 from rollout_worker.generation import Generator
 from rollout_worker.live_adapter import LiveAdapter
@@ -92,12 +92,13 @@ class Nonsense(Countdown):
 
 
 class OneSlowSibling(Countdown):
-    """Of the instances made in one folder, the second sleeps in step: one episode of a group hangs."""
+    """Of the instances made in one folder, the second sleeps in step: one episode of a group hangs. Each
+    names its player in reset, so the episodes' prompts differ after a common start."""
 
     def reset(self, **row) -> str:
         folder = os.environ["ENV_TEST_DIR"]
         self.index = next(i for i in range(100) if _claim(os.path.join(folder, str(i))))
-        return super().reset(**row)
+        return f" You are player {self.index}." + super().reset(**row)
 
     def step(self, action: str):
         if self.index == 1:
@@ -119,6 +120,11 @@ class NoHint:
 
     def poke(self, x) -> str:
         return str(x)
+
+
+def steps_left(completions, environments, **_) -> list[float | None]:
+    """A reward function reading each episode's instance (TRL passes environments= to every reward function)."""
+    return [None if env is None else float(env.left) for env in environments]
 
 
 def make_countdown() -> Countdown:
@@ -153,6 +159,9 @@ def test_contracts_and_tool_schema_as_trl_builds_them():
     assert describe(Calculator).tools == calc.tools  # the worker's check at start, on the class
     with pytest.raises(EnvSpecError, match="argument 'x' has no type hint"):
         describe(NoHint)
+    with pytest.raises(TemplateNotPrefixPreserving, match="changes token 2 of the conversation"):
+        extension([5, 6, 9, 8], [5, 6, 7], "the new messages")
+    assert extension([5, 6, 7, 8], [5, 6, 7], "the new messages") == [8]
     with pytest.raises(EnvSpecError, match="package.module:factory"):
         import_factory("no_colon")
     with pytest.raises(EnvSpecError, match="cannot be imported"):
@@ -322,7 +331,10 @@ def test_a_group_keeps_its_good_episodes_when_one_environment_hangs(vllm_replica
     for sample in group.samples:  # the shard format: the stream after the prompt, its mask and turns
         assert len(sample.turns) == 3 and sample.reward == 0.75
         assert sample.loss_mask.count(1) == sum(t.end - t.start for t in sample.turns)
-        assert group.prompt_ids + sample.completion_ids  # one stream per episode
+        # the players' prompts differ after a common start: each sample's own rest of it leads its stream, masked
+        head = sample.turns[0].start
+        assert head > 0 and sample.loss_mask[:head] == [0] * head and sample.logprobs[:head] == [0.0] * head
+    assert len({tuple(s.completion_ids[: s.turns[0].start]) for s in group.samples}) == 2
     failed = [e for e in events.read_all(run_store) if e["kind"] == events.ENV_FAILED]
     assert sorted(e["call"] for e in failed) == ["step", "step", "step"], failed
     assert any("did not answer within 3 s" in e["error"] for e in failed)
@@ -363,7 +375,8 @@ def test_the_worker_writes_episodes_in_the_shard_format(vllm_replicas, tmp_path)
             [sys.executable, "-m", "rollout_worker", *common, "--rollout.proxy-url", f"http://127.0.0.1:{port}"]
             + ["--rollout.worker-id", "w-env", "--rollout.environment", f"{HERE}:Countdown"]
             + ["--rollout.max-groups", "1", "--rollout.max-turns", "2", "--rollout.max-completion-length", "6"]
-            + ["--rollout.eval-size", "0", "--rollout.max-unconsumed-groups", "0", "--rollout.metrics", "false"],
+            + ["--rollout.eval-size", "0", "--rollout.max-unconsumed-groups", "0", "--rollout.metrics", "false"]
+            + ["--rollout.reward-funcs", f"{HERE}:steps_left"],
             env=env,
             cwd=REPO_ROOT,
             capture_output=True,
@@ -379,5 +392,6 @@ def test_the_worker_writes_episodes_in_the_shard_format(vllm_replicas, tmp_path)
         assert [t.version for t in s.turns] == [group.adapter_version] * 2  # one policy per episode
         assert len({t.replica for t in s.turns}) == 1  # both turns where the first went (two replicas, idle)
         assert s.loss_mask[: s.turns[0].end] == [1] * s.turns[0].end and 0 in s.loss_mask
-        # both replies were stepped (the last one too: the environment sees every reply), 0.25 each
-        assert s.reward == 0.5 and s.finish_reason == "max_turns"
+        # both replies were stepped (the last one too: the environment sees every reply), 0.25 each; plus the
+        # reward function's, which read the instance as it ended (environments=): one step left of three
+        assert s.reward == 0.5 + 1.0 and s.finish_reason == "max_turns"
