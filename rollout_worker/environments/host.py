@@ -22,6 +22,8 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -230,5 +232,15 @@ class EnvHosts:
         self.busy.clear()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker killed outright (SIGKILL) cannot kill its environments: one stuck in a call would live on, so
+    each process ends itself once its parent is gone (an idle one ends anyway, when its socket closes)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 if __name__ == "__main__":
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     serve(Connection(int(sys.argv[1])))
