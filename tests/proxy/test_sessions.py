@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import httpx
 
@@ -134,3 +135,17 @@ def test_the_proxy_keeps_an_episode_on_one_replica_and_its_version_held_between_
             u.close()
 
     asyncio.run(body())
+
+
+def test_the_multiturn_benchmark_keeps_episodes_whole_where_round_robin_does_not():
+    """benchmarks.multiturn on a small trace: its JSON is what the closing note quotes, so its arithmetic is
+    checked here (brigade against its baselines, on the same seeded trace)."""
+    from benchmarks.multiturn import simulate
+
+    args = SimpleNamespace(seed=3, groups=24, group_size=4, groups_in_flight=6, version_every=64, kv_block=16)
+    args.kv_blocks = 20_000
+    figures = {p: simulate(p, 4, args) for p in ("brigade", "round_robin", "session_hash")}
+    assert figures["brigade"]["episodes_split"] == 0.0 and figures["session_hash"]["episodes_split"] == 0.0
+    assert figures["round_robin"]["episodes_split"] > 0.5
+    assert figures["brigade"]["prefill_vs_ideal"] < 1.05 < figures["round_robin"]["prefill_vs_ideal"]
+    assert figures["brigade"]["turns"] == figures["round_robin"]["turns"]  # one trace for every policy
