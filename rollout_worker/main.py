@@ -39,7 +39,7 @@ from bucket.store import Store
 from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
-from rollout_worker.environments.groups import for_settings
+from rollout_worker.environments.groups import EpisodeGroups, for_settings
 from rollout_worker.eval_schedule import EvalSchedule
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import AdapterRetired, Generator
@@ -70,6 +70,8 @@ def as_completion(prompt: Any, text: str) -> Any:
 
 
 class Worker:
+    episodes: EpisodeGroups | None = None  # --rollout.environment's episodes; None: single-turn completions
+
     def __init__(self, settings: RolloutConfig, store: Store, manifest: RunManifest, client: httpx.AsyncClient):
         self.rc, self.store, self.manifest = settings, store, manifest
         self.sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
