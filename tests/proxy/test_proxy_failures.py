@@ -621,8 +621,13 @@ async def _drain_mid_traffic(store: Store, manifest: Any, proc: Any, drained: st
 
 
 def test_routing_snapshots_go_to_the_bucket(run_store):
-    """A dashboard reads decisions and in-flight counts from the bucket alone."""
+    """A dashboard reads decisions and in-flight counts from the bucket alone: snapshots while there is traffic
+    (how many depends on how the 3 requests fall across 0.1 s intervals), none once idle. Idleness is shown
+    by the count not moving over five more intervals (an absence has no event to wait for)."""
     store, manifest = run_store
+
+    def snapshots() -> list[dict]:
+        return [e for e in events.read_all(store) if e["kind"] == events.ROUTING_SNAPSHOT]
 
     async def body():
         up = await RawServer().start()
@@ -631,19 +636,25 @@ def test_routing_snapshots_go_to_the_bucket(run_store):
         async with served(proxy) as url, httpx.AsyncClient(base_url=url) as client:
             for i in range(3):
                 assert (await client.post("/v1/completions", json=completion(i % 2))).status_code == 200
+            deadline = time.monotonic() + 30
+            while not [e for e in snapshots() if e["decisions"] == {"prefix_hit": 1, "new": 2, "spill": 0}]:
+                assert time.monotonic() < deadline, "no snapshot of the three decisions"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # the interval after the last request may still write one (in flight then)
+            idle_from = len(snapshots())
             await asyncio.sleep(0.5)
+            assert len(snapshots()) == idle_from, snapshots()[idle_from:]
             metrics = (await client.get("/metrics")).text
             assert 'brigade_proxy_routing_decisions_total{kind="new"} 2.0' in metrics
             assert f'brigade_proxy_inflight_tokens{{replica="{up.url}"}} 0.0' in metrics
         up.close()
 
     asyncio.run(body())
-    snaps = [e for e in events.read_all(store) if e["kind"] == events.ROUTING_SNAPSHOT]
-    assert len(snaps) == 1, snaps  # one while there was traffic, none once idle
-    assert snaps[0]["decisions"] == {"prefix_hit": 1, "new": 2, "spill": 0}
-    assert snaps[0]["inflight_requests"] == {
-        snaps[0]["inflight_requests"] and next(iter(snaps[0]["inflight_requests"])): 0
-    }
+    snaps = snapshots()
+    assert snaps[-1]["decisions"] == {"prefix_hit": 1, "new": 2, "spill": 0}, snaps
+    total = {k: sum(e["decisions_delta"][k] for e in snaps) for k in ("prefix_hit", "new", "spill")}
+    assert total == {"prefix_hit": 1, "new": 2, "spill": 0}, snaps  # each decision in exactly one snapshot
+    assert set(snaps[-1]["inflight_requests"]) == {up_url for up_url in snaps[-1]["inflight_requests"]}
 
 
 # -- TRL's client -------------------------------------------------------------------------------------
