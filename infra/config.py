@@ -35,7 +35,8 @@ class LocalConfig(BaseModel):
         "sums",
         description="What the run trains, as [rollout] settings for the fields not given (infra/local_task.py): sums "
         "(the built-in sums and their curriculum) or reasoning-gym (chain_sum, 2 terms of 1 digit, the reply's last "
-        "number scored by the task's score_answer; docs/environments.md).",
+        "number scored by the task's score_answer) or multiturn (the sums as two-try episodes of a text-step "
+        "environment); docs/environments.md.",
     )
     num_replicas: int = Field(2, ge=1, description="vLLM replicas to start (unless local.replicas says otherwise).")
     replicas: int | Literal["auto"] = Field(

@@ -5,6 +5,9 @@
                    score_answer: of the tasks measured for SmolLM2-135M-Instruct (issue 30: greedy, 100
                    problems, "... Answer with just the final answer.", last number), the one it starts best at
                    (0.27), so GRPO has groups with signal from the first step
+    multiturn      the sums as episodes of a text-step environment (rollout_worker/environments/retry_sums.py):
+                   a wrong answer is told so and tried once more (1 for a right first answer, 0.5 for a right
+                   second one); held-out success is the first answer's, measured as for sums
 
 A task fills only the [rollout] fields the user did not give (by flag, TOML file or override), as the CPU
 sizing does (infra/local_sizing.py); a dataset given that the task cannot train is an error, not ignored.
@@ -18,13 +21,16 @@ from bucket.config import ConfigError
 from rollout_worker.config import RolloutConfig
 from rollout_worker.datasets.spec import is_reasoning_gym
 
-Task = Literal["sums", "reasoning-gym"]
+Task = Literal["sums", "reasoning-gym", "multiturn"]
 
 REASONING_GYM_DATASET = "reasoning-gym:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1,extract=number"
+
+MULTITURN_ENVIRONMENT = "rollout_worker.environments.retry_sums:RetrySums"
 
 TASK_ROLLOUT: dict[str, dict[str, Any]] = {
     "sums": {},
     "reasoning-gym": {"dataset": REASONING_GYM_DATASET},
+    "multiturn": {"environment": MULTITURN_ENVIRONMENT, "max_turns": 2},
 }
 
 
@@ -35,6 +41,11 @@ def task_rollout(task: str, rollout: RolloutConfig) -> RolloutConfig:
         raise ConfigError(
             f"--local.task reasoning-gym trains a reasoning-gym dataset, not {rollout.dataset!r}: drop "
             "--rollout.dataset, give a reasoning-gym:TASK one, or use --local.task sums"
+        )
+    if task == "multiturn" and "environment" in given and rollout.environment != MULTITURN_ENVIRONMENT:
+        raise ConfigError(
+            f"--local.task multiturn trains its own environment, not {rollout.environment!r}: drop "
+            "--rollout.environment, or keep it with --local.task sums (any environment runs with any task's data)"
         )
     changes = {k: v for k, v in TASK_ROLLOUT[task].items() if k not in given}
     if not changes:

@@ -1,0 +1,110 @@
+"""Environments train through `brigade local` (issue 30): the built-in text-step task (`--local.task multiturn`)
+and a TRL-style environment class written here, as a TRL user writes one (tools with type hints and a Google
+docstring, `get_reward`), never one of brigade's own classes. Each run: one vLLM replica, two optimizer steps.
+
+What the trainer consumed is read back from the bucket: every episode's sample is one token stream whose turns
+tile it (each turn's sampled tokens trained, everything between them masked), all of an episode's turns carry
+the version its first turn used and were served by one replica, and `brigade summary` counts the episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from bucket import checkpoints
+from bucket.rollouts import read_shards
+from bucket.store import Store
+from infra.s3server import listen_ports
+from tests.helpers import REPO_ROOT, brigade_local, free_port, host_timeout
+
+
+class SumsWithCalculator:
+    """A sum to answer, with a calculator the model may call."""
+
+    def reset(self, **row) -> str:
+        self.answer = int(row["answer"])
+        self.calls = 0
+        return " You may call the add tool."
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two whole numbers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+
+        Returns:
+            Their sum.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return 0.1 if self.calls else 0.0  # a little for using the tool; the answer's reward comes from exact_match
+
+
+def _run(tmp_path, model_dir, *flags: str) -> tuple[Store, dict]:
+    bucket = tmp_path / "bucket"
+    proxy_port = free_port()
+    cmd = brigade_local(
+        str(bucket),
+        model_dir,
+        *("--local.num-replicas", "1", "--run.num-generations", "4", "--trainer.max-steps", "2"),
+        *("--trainer.groups-per-step", "1", "--rollout.max-completion-length", "12"),
+        *("--rollout.groups-per-shard", "1", "--rollout.max-inflight-groups", "2", "--rollout.eval-size", "0"),
+        *("--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}"),
+        *("--local.base-port", str(listen_ports(2)), "--trainer.metrics-port", str(free_port())),
+        *("--rollout.metrics-port", str(free_port()), "--local.max-wall-s", str(host_timeout(900))),
+        *flags,
+    )
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=host_timeout(1200))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    return Store(str(bucket)), summary
+
+
+def _check_episodes(store: Store, summary: dict) -> list:
+    state = checkpoints.load_latest(store)
+    assert state is not None and state.step == 2, state  # it trained its two steps on episodes
+    groups = [g for s in read_shards(store, {}) if s.shard is not None for g in s.shard.groups]
+    samples = [(g, s) for g in groups for s in g.samples]
+    assert samples and all(s.turns for _, s in samples), "every sample of an environment run is an episode"
+    for g, s in samples:
+        turns, mask = s.turns, s.loss_mask
+        assert mask is not None and len(mask) == len(s.completion_ids) == len(s.logprobs)
+        # one stream: the turns in order inside it, each turn's tokens sampled (trained), the rest masked
+        assert all(a.end <= b.start for a, b in zip(turns, turns[1:])), turns
+        inside = {i for t in turns for i in range(t.start, t.end)}
+        assert all(mask[i] == 0 for i in range(len(mask)) if i not in inside), (turns, mask)
+        assert all(any(mask[i] for i in range(t.start, t.end)) for t in turns), (turns, mask)
+        # one policy and one replica per episode
+        assert {t.version for t in turns} == {g.adapter_version}, (g.adapter_version, turns)
+        assert len({t.replica for t in turns}) == 1, turns
+    assert summary["episodes"] == len(samples) and summary["env_errors"] == 0, summary
+    assert summary["turns_mean"] >= 1 and summary["episode_tokens_mean"] > 0, summary
+    return samples
+
+
+def test_the_multiturn_task_trains_on_two_try_episodes(tmp_path, model_dir):
+    store, summary = _run(tmp_path, model_dir, "--local.task", "multiturn")
+    samples = _check_episodes(store, summary)
+    # a wrong first answer is told so and answered again: some episode took two turns, none more than max_turns
+    assert max(len(s.turns) for _, s in samples) <= 2
+    assert any(len(s.turns) == 2 for _, s in samples), "no first answer was wrong in the whole run"
+    # rewards are the environment's: 1 at the first try, 0.5 at the second, else 0
+    assert {s.reward for _, s in samples} <= {0.0, 0.5, 1.0}, {s.reward for _, s in samples}
+
+
+def test_a_trl_style_environment_class_trains_unchanged(tmp_path, model_dir):
+    env = f"{__name__}:SumsWithCalculator"
+    store, summary = _run(
+        tmp_path,
+        model_dir,
+        *("--rollout.environment", env, "--rollout.max-turns", "3", "--rollout.max-tool-calls", "2"),
+        *("--rollout.reward-funcs", "rollout_worker.rewards:exact_match"),
+    )
+    samples = _check_episodes(store, summary)
+    assert summary["tool_calls_mean"] >= 0.0
+    # the reward is the answer's (exact_match) plus the environment's get_reward
+    assert {round(s.reward, 3) for _, s in samples} <= {0.0, 0.1, 1.0, 1.1}, {s.reward for _, s in samples}
