@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from bucket import checkpoints
+from bucket import checkpoints, events
 from bucket.rollouts import read_shards
 from bucket.store import Store
 from infra.s3server import listen_ports
@@ -108,3 +108,23 @@ def test_a_trl_style_environment_class_trains_unchanged(tmp_path, model_dir):
     assert summary["tool_calls_mean"] >= 0.0
     # the reward is the answer's (exact_match) plus the environment's get_reward
     assert {round(s.reward, 3) for _, s in samples} <= {0.0, 0.1, 1.0, 1.1}, {s.reward for _, s in samples}
+
+
+def test_a_reasoning_gym_task_trains_and_its_held_out_set_is_evaluated(tmp_path, model_dir):
+    """`--local.task reasoning-gym`: prompts and scores from the real library, the held-out set evaluated greedily
+    at the start and after the last version, as for sums."""
+    store, summary = _run(
+        tmp_path,
+        model_dir,
+        *("--local.task", "reasoning-gym", "--rollout.eval-size", "8", "--rollout.eval-every-versions", "0"),
+        *("--rollout.eval-max-tokens", "12"),
+    )
+    assert checkpoints.load_latest(store).step == 2
+    groups = [g for s in read_shards(store, {}) if s.shard is not None for g in s.shard.groups]
+    assert groups and all(g.extra.get("rg_task") == "chain_sum" for g in groups), groups[0].extra
+    assert all(0.0 <= s.reward <= 1.0 for g in groups for s in g.samples)
+    evals = {e["version"]: e for e in events.read_all(store) if e["kind"] == events.EVAL and not e.get("partial")}
+    newest = max(v["version"] for v in summary["versions"])
+    assert {0, newest} <= set(evals), sorted(evals)
+    assert all(evals[v]["total"] == 8 and 0.0 <= evals[v]["accuracy"] <= 1.0 for v in (0, newest)), evals
+    assert summary["base_accuracy"] == evals[0]["accuracy"]
