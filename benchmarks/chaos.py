@@ -1,6 +1,6 @@
 """Benchmark: a chaos run of every job against S3 with injected faults, audited from the bucket.
 
-    python -m benchmarks.chaos --minutes M [--seed S] --json
+    python -m benchmarks.chaos --minutes M [--seed S] [--task sums|reasoning-gym|multiturn] --json
 
 The jobs run as separate processes (`brigade init`, `brigade replica` x2,
 `brigade trainer`, `brigade proxy`, `brigade rollout`) against moto's S3
@@ -15,8 +15,10 @@ The last line printed is one JSON object: `minutes`, `kills` (per job kind),
 `s3_faults_injected`, `groups_scored`, `groups_trained`,
 `groups_dropped_stale`, and the counts that must be 0: `groups_lost`,
 `groups_trained_twice`, `groups_mixed_versions`, `versions_reused`,
-`uncommitted_loads` (and the other failure counts of infra/audit.py), plus
-each restart and whether the job made progress after it.
+`uncommitted_loads` (and the other failure counts of infra/audit.py; with
+`--task multiturn`, the episodes' `episodes_not_tiling`, `episodes_half_done`,
+`episodes_mixed_versions`), plus each restart and whether the job made
+progress after it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from infra.audit import MUST_BE_ZERO
 from infra.chaos import PROXY_PROGRESS_MARGIN_S, Action, Chaos, plan
 from infra.config import Config, load
 from infra.local import write_config
+from infra.local_task import TASK_ROLLOUT
 from infra.prepare_model import prepare_model
 from infra.s3faults import INTERNAL, LOST, SLOWDOWN, TIMEOUT, FaultyS3
 from infra.s3server import LOOPBACK_CREDENTIALS, create_bucket, environment, listen_ports, start_loopback_s3
@@ -58,10 +61,14 @@ FAULT_KINDS = (SLOWDOWN, SLOWDOWN, INTERNAL, INTERNAL, LOST, LOST, TIMEOUT)
 READ_TIMEOUT_S = 5.0  # the jobs' S3 read timeout in the chaos run; a held request is held longer
 
 
-def _config(bucket: str, model_dir: str, runs_dir: str) -> Config:
+def _config(bucket: str, model_dir: str, runs_dir: str, task: str = "sums") -> Config:
+    """The run's config; `task` adds what `brigade local --local.task TASK` would to [rollout] (infra/local_task.py):
+    for multiturn the retry-sums environment and its max_turns, so every job of the run sees episodes."""
     proxy_port, base_port = listen_ports(1), listen_ports(3)
+    task_overrides = {f"rollout.{k}": v for k, v in TASK_ROLLOUT[task].items()}
     return load(
-        overrides={
+        overrides=task_overrides
+        | {
             "bucket.url": bucket,
             "local.runs_dir": runs_dir,
             "local.base_port": base_port,
@@ -104,7 +111,13 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, chaos: Chaos) 
 
 
 def run_chaos(
-    minutes: float, seed: int, model_dir: str, workdir: str, grace_s: float = 120, rollout_workers: int = 1
+    minutes: float,
+    seed: int,
+    model_dir: str,
+    workdir: str,
+    grace_s: float = 120,
+    rollout_workers: int = 1,
+    task: str = "sums",
 ) -> dict[str, Any]:
     """One chaos run of `minutes` (after the first replica is up); returns the audit and the schedule's effects.
     With `rollout_workers` > 1 the others (rollout-1, ...) share the one proxy and are never killed.
@@ -116,7 +129,7 @@ def run_chaos(
     on_term = signal.signal(signal.SIGTERM, _interrupt) if main else None  # a `kill` still stops every job
     try:
         with environment(server.env):  # this process reads the bucket without faults
-            return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s, rollout_workers)
+            return _run(minutes, seed, model_dir, workdir, logs, server.endpoint, grace_s, rollout_workers, task)
     finally:
         if main:
             signal.signal(signal.SIGTERM, on_term)
@@ -136,6 +149,7 @@ def _run(
     endpoint: str,
     grace_s: float,
     rollout_workers: int = 1,
+    task: str = "sums",
 ) -> dict[str, Any]:
     faults = FaultyS3(endpoint, rate=FAULT_RATE, seed=seed, hold_s=READ_TIMEOUT_S + 1, kinds=FAULT_KINDS)
     bucket = f"s3://brigade-chaos/run-{seed}"
@@ -147,7 +161,7 @@ def _run(
         "TMPDIR": os.path.join(workdir, "tmp"),
     }
     os.makedirs(env["TMPDIR"], exist_ok=True)
-    config = _config(bucket, model_dir, workdir)
+    config = _config(bucket, model_dir, workdir, task)
     chaos = Chaos(config, write_config(config, workdir), logs, Store(bucket), env, random.Random(seed))
     t0 = time.monotonic()
     try:
@@ -185,6 +199,7 @@ def _run(
     result = {
         "minutes": minutes,
         "seed": seed,
+        "task": task,
         "rollout_workers": rollout_workers,
         "groups_by_worker": dict(Counter(r.record.writer for r in shards if r.shard for _ in r.shard.groups)),
         "kills": chaos.kills,
@@ -258,12 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rollout-workers", type=int, default=1, help="Rollout workers sharing the proxy (the first is killed)."
     )
+    parser.add_argument(
+        "--task",
+        choices=sorted(TASK_ROLLOUT),
+        default="sums",
+        help="What the run trains, as `brigade local --local.task` (multiturn: episodes of an environment).",
+    )
     parser.add_argument("--workdir", default="", help="Where logs go (default: a new temporary folder, kept).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     model_dir = prepare_model(default_model_dir())
     workdir = args.workdir or tempfile.mkdtemp(prefix="brigade-chaos-")
-    result = run_chaos(args.minutes, args.seed, model_dir, workdir, rollout_workers=args.rollout_workers)
+    result = run_chaos(
+        args.minutes, args.seed, model_dir, workdir, rollout_workers=args.rollout_workers, task=args.task
+    )
     failures = {k: result[k] for k in MUST_BE_ZERO if result[k]}
     stuck = [r for r in result["restarts"] if not r["progress"]]
     if not args.json:

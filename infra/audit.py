@@ -26,7 +26,7 @@ from typing import Any
 
 from bucket import adapters, checkpoints, events
 from bucket.manifest import read_manifest
-from bucket.rollouts import ScoredGroup, read_shards
+from bucket.rollouts import Sample, ScoredGroup, read_shards
 from bucket.store import Store
 
 
@@ -78,6 +78,11 @@ def _loads(evs: list[dict[str, Any]], committed_at: dict[int, float]) -> dict[st
     }
 
 
+def _served_by(s: Sample) -> set[str]:
+    """The replicas that sampled tokens of `s`: each turn's for an episode (one unless its replica left)."""
+    return {t.replica for t in s.turns} if s.turns else {s.replica}
+
+
 def _mixed(
     scored: dict[str, ScoredGroup], evs: list[dict[str, Any]], committed: set[int], group_size: int
 ) -> list[dict[str, Any]]:
@@ -85,19 +90,29 @@ def _mixed(
 
     A group is generated with one model name (its `adapter_version`); the bucket can check that claim: the
     version is the base (0) or committed, the group is whole, and every replica that served one of its samples
-    had that version loaded (a proxy `adapter_loaded` event) before the group was written.
+    (every turn of an episode) had that version loaded (a proxy `adapter_loaded` event) before the group was
+    written. An environment run's group is whole with fewer samples when env_failed events of its prompt at
+    its version account for the missing episodes (a failed episode is left out of its group, not trained).
     """
     loaded: dict[tuple[int, str], float] = {}
+    failed: collections.Counter[tuple[str, int]] = collections.Counter()
     for e in evs:
         if e["kind"] == events.LOADED:
             key = (e["version"], e["replica"])
             loaded[key] = min(loaded.get(key, e["ts"]), e["ts"])
+        elif e["kind"] == events.ENV_FAILED:
+            failed[(str(e.get("prompt_id")), e.get("version"))] += 1
     bad = []
     for gid, g in scored.items():
         v = g.adapter_version
-        whole, known = len(g.samples) == group_size, v == 0 or v in committed
+        short = group_size - len(g.samples)
+        episodes = all(s.turns is not None for s in g.samples)
+        whole = short == 0 or (episodes and 0 < short <= failed[(g.prompt_id, v)])
+        known = v == 0 or v in committed
         # the base needs no load; a version, a record of its load on each serving replica before the group
-        late = {s.replica for s in g.samples if v != 0 and loaded.get((v, s.replica), float("inf")) > g.generated_at}
+        late = {
+            r for s in g.samples for r in _served_by(s) if v != 0 and loaded.get((v, r), float("inf")) > g.generated_at
+        }
         if not whole or not known or late:
             bad.append(
                 {
@@ -111,6 +126,38 @@ def _mixed(
                 }
             )
     return bad
+
+
+def episodes(scored: dict[str, ScoredGroup]) -> dict[str, Any]:
+    """An environment run's episodes (samples with `turns`), each checked on its own; all 0 for a single-turn run.
+
+    A worker writes an episode only once it ended (its group is written whole, in one shard), so a job killed
+    mid-episode leaves nothing of it; these counts say the bucket agrees. Trained twice: an episode is one sample
+    of one group, so the ledger's exactly-once count (`groups_trained_twice`) covers it."""
+    eps = [(gid, g, s) for gid, g in scored.items() for s in g.samples if s.turns is not None]
+    not_tiling, half_done, mixed, moved = [], [], [], 0
+    for gid, g, s in eps:
+        turns = s.turns or []
+        inside = [0] * len(s.completion_ids)
+        for t in turns:
+            inside[t.start : t.end] = [1] * (t.end - t.start)
+        if s.loss_mask != inside:  # trained exactly on what the turns sampled; template and tool tokens masked
+            not_tiling.append(gid)
+        # An episode ends on a reply: context is appended only when another turn follows it.
+        if turns[-1].end != len(s.completion_ids) or s.finish_reason is None:
+            half_done.append(gid)
+        if any(t.version != g.adapter_version for t in turns):
+            mixed.append(gid)
+        moved += len({t.replica for t in turns}) > 1
+    return {
+        "episodes": len(eps),
+        "episodes_not_tiling": len(not_tiling),
+        "episodes_half_done": len(half_done),
+        "episodes_mixed_versions": len(mixed),
+        # turns on more than one replica: allowed when the replica holding the episode died, drained or was full
+        "episodes_moved_replica": moved,
+        "bad_episodes": sorted(set(not_tiling + half_done + mixed))[:10],
+    }
 
 
 def joins(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -187,6 +234,7 @@ def audit(store: Store) -> dict[str, Any]:
         **_ledger(store, scored, read),
         "groups_mixed_versions": len(mixed),
         "mixed_groups": mixed[:10],  # the first few, with what failed
+        **episodes(scored),
         **_loads(evs, committed),
         "lineage_matches_commits": [st.version for st in lineage] == sorted(v for v in committed if v <= announced),
         "versions_committed_unannounced": unannounced,
@@ -207,4 +255,7 @@ MUST_BE_ZERO = (
     "groups_trained_out_of_window",
     "lineage_not_increasing",
     "joins_missing_live_versions",
+    "episodes_not_tiling",
+    "episodes_half_done",
+    "episodes_mixed_versions",
 )
