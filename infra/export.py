@@ -1,6 +1,6 @@
 """`brigade export`: an adapter version out of the bucket, as a folder `peft` and vLLM load as they are.
 
-    brigade export --bucket URL --version N --to DIR [--merge]
+    brigade export --bucket URL --version N|best --to DIR [--merge]
 
 The version's files are checked against their commit marker, then written
 as a PEFT adapter folder (adapter_model.safetensors + adapter_config.json,
@@ -16,23 +16,37 @@ import json
 import os
 import sys
 
-from bucket import adapters
+from bucket import adapters, events
 from bucket.config import ConfigError, open_bucket
 from bucket.store import BucketError
+from infra.best_version import resolve_version
 from infra.config import add_flags, load
+from infra.summary import accuracy_curve
 from jobkit.entry import setup_logging
 from jobkit.settings import default_model_dir
 
 DESCRIPTION = "Write an adapter version as a PEFT folder (peft and vLLM load it as is), or merged into the base."
 
 
-def export(bucket_url: str, version: int | None, out: str, base_model: str, merge: bool) -> int:
+def export(bucket_url: str, version: str | int | None, out: str, base_model: str, merge: bool) -> int:
     from bucket.config import BucketConfig
 
     store = open_bucket(BucketConfig(url=bucket_url))
     committed = adapters.committed_versions(store)
     if not committed:
         raise ConfigError(f"{bucket_url} holds no committed adapter version")
+    if version == "best":
+        curve = accuracy_curve([e for e in events.read_all(store) if e["kind"] == events.EVAL], 0.0)
+        try:
+            version = resolve_version(version, curve)
+        except ValueError as exc:
+            raise ConfigError(f"{bucket_url}: {exc}") from None
+        print(f"the best held-out version is {version}", flush=True)
+    else:
+        try:
+            version = resolve_version(version, [])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     version = committed[-1] if version is None else version
     if version not in committed:
         raise ConfigError(f"adapter version {version} is not committed in {bucket_url} (committed: {committed})")
@@ -66,7 +80,12 @@ def export(bucket_url: str, version: int | None, out: str, base_model: str, merg
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
-    parser.add_argument("--version", type=int, default=None, help="Adapter version (default: the newest committed).")
+    parser.add_argument(
+        "--version",
+        default=None,
+        help="Adapter version: a number, or best (the best held-out accuracy of the run's evaluations); default: "
+        "the newest committed.",
+    )
     parser.add_argument("--to", required=True, metavar="DIR", help="Folder to write (must be new or empty).")
     parser.add_argument("--merge", action="store_true", help="Fold the adapter into the base model's weights.")
     add_flags(parser, {"bucket": ["url"], "trainer": ["model_path"]})  # what an export reads

@@ -17,6 +17,7 @@ from bucket.config import open_bucket
 from bucket.progress import read_done
 from bucket.rollouts import ShardRead, read_shards
 from bucket.store import Store
+from infra.best_version import best_figures, best_line
 from infra.config import Config
 
 
@@ -48,6 +49,7 @@ def learning_figures(
         "final_accuracy": max(adapted, key=lambda c: c["version"])["accuracy"] if adapted else None,
         "final_accuracy_version": max(c["version"] for c in adapted) if adapted else None,
         "accuracy_curve": curve,
+        **best_figures(curve),
         "evaluations_cut": evaluations_cut(evals),
         "reward_curve": [{"step": e["step"], "reward": e["reward"], "ts": e["ts"]} for e in steps],
         "reward_failures": reward_failures,
@@ -221,6 +223,7 @@ def render(summary: dict[str, Any]) -> str:
         f"held-out accuracy     base {f(summary.get('base_accuracy'))} -> final {f(summary.get('final_accuracy'))}"
         f"  (version {summary.get('final_accuracy_version') or '-'}; greedy, {len(summary.get('accuracy_curve', []))} "
         "evaluations)",
+        *best_line(summary),
         *evaluation_notes(summary),
         *episode_lines(summary),
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s, "
