@@ -22,6 +22,7 @@ from bucket.progress import TrainerDone, read_done
 from bucket.replicas import ReplicaInfo
 from bucket.rollouts import read_shards
 from bucket.store import NotFound, Store
+from infra.dashboard.episodes import Episodes
 from infra.dashboard.heartbeats import Heartbeats
 from infra.summary import run_figures
 from infra.timeline import VERSION_KINDS, Timeline, VersionSync
@@ -103,6 +104,7 @@ class RunData:
         self.evals: list[dict[str, Any]] = []  # held-out accuracy per evaluated version, by ts
         self.eval_skips: list[dict[str, Any]] = []  # versions that came due while an evaluation ran
         self.reward_failures = 0
+        self.episodes = Episodes()  # an environment run's episodes and env_failed events (none for single-turn)
         self.first_ts: float | None = None
         self.last_ts: float | None = None
         self.first_seen: dict[int, float] = {}  # version -> when this dashboard first read its publish (monotonic)
@@ -166,6 +168,8 @@ class RunData:
                 self.eval_skips.append(e)
             elif kind == events.REWARD_FAILED:
                 self.reward_failures += 1
+            elif kind == events.ENV_FAILED:
+                self.episodes.failed(e)
             elif kind not in DRAWN_KINDS:
                 _keep(self.unknown.setdefault(kind, []), e)
             elif kind == events.TRAIN_STEP:
@@ -196,6 +200,7 @@ class RunData:
             self.generated.append((g.generated_at, sum(len(s.completion_ids) for s in g.samples)))
             for s in g.samples:
                 self.samples_by_replica[s.replica or "?"] += 1
+                self.episodes.add(g, s)
                 self.recent.append(
                     Completion(
                         g.generated_at,
@@ -289,7 +294,7 @@ class RunData:
             }
             for v in self.published()
         ]
-        return run_figures(
+        figures = run_figures(
             self.steps,
             versions,
             rollout_shards=self.shards,
@@ -302,3 +307,4 @@ class RunData:
             reward_failures=self.reward_failures,
             first_ts=self.first_ts,
         )
+        return figures | self.episodes.figures()  # as `brigade summary`: absent for a single-turn run

@@ -16,6 +16,7 @@ from typing import Any
 
 from infra.dashboard import svg
 from infra.dashboard.data import RunData, percentile
+from infra.dashboard.episodes import episodes_panel
 from infra.dashboard.health import P95_LIMIT_S, WINDOW, Health, check
 from infra.dashboard.replica_panels import replica_panels
 from infra.dashboard.training_panels import training_panels
@@ -368,6 +369,7 @@ def panels(data: RunData, health: Health | None = None) -> str:
         + sync_panels(data)
         + versions_table(data, summary)
         + training_panels(data)
+        + episodes_panel(data.episodes)
         + replica_panels(data)
         + completions_panel(data)
         + clocks_panel(data.timeline.clocks())

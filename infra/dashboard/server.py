@@ -1,7 +1,8 @@
 """`brigade dashboard`'s web server: the standard library's, one background thread reading the bucket.
 
 Routes of a run's page (`Dashboard`): `/` the page, `/panels` its body (what the page re-fetches while live),
-`/api/summary` (`brigade summary`'s figures), `/api/versions` (each version's stages), `/api/health`, `/healthz`.
+`/api/summary` (`brigade summary`'s figures), `/api/episodes` (an environment run's episodes), `/api/versions`
+(each version's stages), `/api/health`, `/healthz`.
 A pool's page (`PoolDashboard`, `--pool`): `/`, `/panels`, `/api/pool` (every figure shown), `/api/health`,
 `/healthz`.
 """
@@ -88,6 +89,8 @@ class Dashboard(_Live):
             return 200, "text/html; charset=utf-8", page.panels(d).encode()
         if path == "/api/summary":
             return _json(d.summary())
+        if path == "/api/episodes":  # an environment run's episodes: {} for a single-turn run
+            return _json(d.episodes.detail() if d.episodes.figures() else {})
         if path == "/api/versions":
             return _json([_version_json(v) for v in d.published()])
         if path == "/api/health":

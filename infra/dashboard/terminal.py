@@ -15,6 +15,7 @@ from rich.table import Table
 
 from bucket.store import Store
 from infra.dashboard.data import RunData
+from infra.dashboard.episodes import terminal_line
 from infra.dashboard.health import check
 from infra.timeline import STAGES
 
@@ -71,6 +72,8 @@ def render(data: RunData, versions: int = 6) -> Group:
         )
     legend = "commit: step done → committed, notice: → detected, request: → fan-out started, fan-out: → loaded on all"
     parts = [banner, figures, stages, f"[dim]{legend}[/dim]", reps]
+    if episodes := terminal_line(data.episodes):  # an environment run: turns per episode, environment errors
+        parts.append(episodes)
     if data.scaling:  # the proxy's autoscaler: the count it asks for beside the count serving
         last = data.scaling[-1]
         moves = [e for e in data.scaling if e.get("moved")]
