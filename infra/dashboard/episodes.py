@@ -118,7 +118,7 @@ def episodes_panel(ep: Episodes) -> str:
         "<small>prompt and stream</small></div>"
         f"<div class='figure'><small>environment errors</small><b class='{'bad' if d['env_errors'] else 'good'}'>"
         f"{_metric('env_errors', d['env_errors'], str(d['env_errors']))}</b><small>"
-        + escape(", ".join(f"{k} {v}" for k, v in d["env_errors_by_call"].items()) or "episodes ended by the env")
+        + escape(", ".join(f"{k} {v}" for k, v in d["env_errors_by_call"].items()) or "no episode ended by one")
         + "</small></div>"
     )
     errors = "".join(
@@ -127,7 +127,8 @@ def episodes_panel(ep: Episodes) -> str:
         for e in reversed(d["last_errors"])
     )
     error_table = (
-        "<h3>Last environment errors (newest first; the episode is left out of its group)</h3><table><tr>"
+        "<h3 style='font-size:13px'>Last environment errors (newest first; the episode is left out of its group)"
+        "</h3><table><tr>"
         "<th class='l'>episode</th><th class='l'>call</th><th>version</th><th class='l'>error</th></tr>"
         f"{errors}</table>"
         if errors
@@ -136,7 +137,8 @@ def episodes_panel(ep: Episodes) -> str:
     finish = ", ".join(f"{escape(k)} {v}" for k, v in d["finish_reasons"].items())
     return (
         "<section id='episodes'><h2>Episodes (environment run)</h2>"
-        f"<div class='figures'>{figs}</div><div class='grid'><div>{_bars(d['turns_distribution'], 'turns')}</div>"
+        f"<div class='figures'>{figs}</div><div class='grid' style='margin-top:8px'>"
+        f"<div>{_bars(d['turns_distribution'], 'turns')}</div>"
         f"<div>{_bars(d['tool_calls_distribution'], 'tool calls')}</div></div>"
         f"<p class='muted'>how episodes ended: {finish or '-'}</p>{error_table}</section>"
     )
