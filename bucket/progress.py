@@ -19,6 +19,14 @@ class TrainerProgress(BaseModel):
     step: int
     version: int
     cursors: dict[str, int] = Field(default_factory=dict, description="per rollout worker: last shard seq read")
+    # What a rollout worker paces itself by (rollout_worker/pacing.py): how many groups one version trains on,
+    # and how far the trainer had read when `version` was published. Left at their defaults by an older trainer.
+    groups_per_version: int = Field(
+        0, ge=0, description="groups trained per adapter version (groups_per_step x weight_sync_steps); 0 = unknown"
+    )
+    version_cursors: dict[str, int] = Field(
+        default_factory=dict, description="per rollout worker: last shard seq read when `version` was published"
+    )
     ts: float = Field(default_factory=time.time)
 
     def cursor(self, worker: str) -> int:

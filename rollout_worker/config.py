@@ -59,6 +59,12 @@ class RolloutConfig(BaseModel):
         description="Pause new generations while this many of our groups are written or in flight but not yet "
         "read by the trainer (trainer/progress.json); 0 = never pause.",
     )
+    pace: bool = Field(
+        True,
+        description="Start a group only if the trainer will train it inside run.max_staleness (from "
+        "trainer/progress.json: groups per version, how far it has read): long completions are then never "
+        "dropped for lateness (docs/long-rollouts.md). Off: only max_inflight_groups and max_unconsumed_groups.",
+    )
     groups_per_shard: int = Field(2, ge=1, description="Scored groups per rollout shard written to the bucket.")
     dataset: str = Field(
         "arithmetic",

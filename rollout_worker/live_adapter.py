@@ -17,6 +17,7 @@ import time
 
 import httpx
 
+from bucket.config import ConfigError
 from bucket.manifest import RunManifest
 from bucket.version import Version
 
@@ -95,3 +96,18 @@ class LiveAdapter:
         while True:
             await asyncio.sleep(WATCH_S)
             await self.refresh()
+
+
+async def wait_for_proxy(
+    client: httpx.AsyncClient, url: str, timeout_s: float, what: str = "`brigade proxy` or fix --rollout.proxy-url"
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the proxy at {url} did not answer /health within {timeout_s:.0f}s: start {what}")
+        await asyncio.sleep(0.5)

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from bucket import events
-from bucket.config import BucketConfig, ConfigError, open_bucket
+from bucket.config import BucketConfig, open_bucket
 from bucket.datacursor import read_data_cursor, write_data_cursor
 from bucket.manifest import RunManifest, RunSpec, wait_and_check
 from bucket.progress import read_done
@@ -43,8 +43,9 @@ from rollout_worker.environments.groups import EpisodeGroups, for_settings
 from rollout_worker.eval_schedule import EvalSchedule
 from rollout_worker.evaluation import Evaluator
 from rollout_worker.generation import AdapterRetired, Generator
-from rollout_worker.live_adapter import LiveAdapter
+from rollout_worker.live_adapter import LiveAdapter, wait_for_proxy
 from rollout_worker.metrics import RolloutMetrics
+from rollout_worker.pacing import start_budget, window
 from rollout_worker.pool_client import ATTACH_RETRY_S, PoolSession, auth_headers, pool_token
 from rollout_worker.pool_publisher import Publisher
 from rollout_worker.prompts import load_data
@@ -111,6 +112,7 @@ class Worker:
         )
         self.evals = EvalSchedule(settings, self.evaluator, self.adapters, store, self.ev) if self.evaluator else None
         self.tasks: dict[asyncio.Task[ScoredGroup], Ticket] = {}
+        self.started: dict[asyncio.Task[ScoredGroup], int] = {}  # the live version when each task started
         self.unconsumed = 0  # groups written or in flight that the trainer has not read (metrics)
         self.unwritten: list[tuple[ScoredGroup, Ticket]] = []  # scored, not yet in a shard
         self.next_poll = 0.0
@@ -118,6 +120,7 @@ class Worker:
         self.failures = 0  # groups failed in a row
         self.first_rollout_seen: set[tuple[int, str]] = set()  # (version, replica)
         self.waiting_for_trainer = False  # no group may start: the trainer has not read enough
+        self.paced = False  # ... because the trainer could not train one more inside the window (pacing.py)
         self.metrics = RolloutMetrics()
         self.metrics.live.source = self._live_metrics
 
@@ -128,6 +131,7 @@ class Worker:
             "inflight": len(self.tasks),
             "unconsumed": self.unconsumed,
             "waiting": int(self.waiting_for_trainer),
+            "paced": int(self.paced),
             "retries": dict(self.generator.retries),
             "shards": self.output.shards_written,
         }
@@ -213,20 +217,24 @@ class Worker:
         self.next_poll = time.monotonic() + self.rc.poll_s
 
     def _start_groups(self) -> None:
-        budget = self.rc.max_inflight_groups
-        if self.rc.max_groups:
-            budget = min(budget, self.rc.max_groups - self.done_groups)
-        self.unconsumed = self.output.unconsumed() + len(self.tasks)
-        if self.rc.max_unconsumed_groups:
-            # Groups in flight count too: each will be one more group the trainer has not read.
-            budget = min(budget, max(0, self.rc.max_unconsumed_groups - self.output.unconsumed()))
-            self.waiting_for_trainer = budget <= len(self.tasks) and self.unconsumed >= self.rc.max_unconsumed_groups
+        unread, running = self.output.unconsumed(), len(self.tasks)
+        self.unconsumed = unread + running
+        # Pacing (pacing.py): no group starts that the trainer could not train inside the staleness window.
+        rc, out = self.rc, self.output
+        oldest = min(self.started.values(), default=self.adapters.version)  # the group most at risk of lateness
+        w = window(out.progress, self.worker_id, self.manifest.max_staleness, oldest, out.shard_groups, unread, running)
+        remaining = rc.max_groups - self.done_groups if rc.max_groups else None
+        budget, held = start_budget(
+            rc.max_inflight_groups, running, unread, rc.max_unconsumed_groups, remaining, w if rc.pace else None
+        )
+        self.waiting_for_trainer, self.paced = held != "", held == "window"
         while len(self.tasks) < budget:
             nxt = self.sampler.next()
             if nxt is None:  # every epoch handed out
                 return
             ticket, row = nxt
-            self.tasks[asyncio.create_task(self.generate_group(row))] = ticket
+            task = asyncio.create_task(self.generate_group(row))
+            self.tasks[task], self.started[task] = ticket, self.adapters.version  # its version, or an older one
 
     async def _pause(self) -> None:
         # Paused: the trainer has enough to read. Write what is scored even if the shard is not
@@ -242,7 +250,7 @@ class Worker:
         done, _ = await asyncio.wait(self.tasks, timeout=self.rc.poll_s, return_when=asyncio.FIRST_COMPLETED)
         last_error: Exception | None = None
         for task in done:
-            ticket = self.tasks.pop(task)
+            ticket, _ = self.tasks.pop(task), self.started.pop(task, None)
             try:
                 group = task.result()
             except Exception as exc:  # one broken group must not lose the scored ones finished with it
@@ -318,21 +326,6 @@ class Worker:
             self.output.shards_written,
             self.scorer.failed,
         )
-
-
-async def wait_for_proxy(
-    client: httpx.AsyncClient, url: str, timeout_s: float, what: str = "`brigade proxy` or fix --rollout.proxy-url"
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if (await client.get("/health")).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise ConfigError(f"the proxy at {url} did not answer /health within {timeout_s:.0f}s: start {what}")
-        await asyncio.sleep(0.5)
 
 
 async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig) -> int:

@@ -36,6 +36,12 @@ class _Live(ScrapeCollector):
                 "1 while no new group may start because the trainer has not read enough (max_unconsumed_groups).",
                 v["waiting"],
             ),
+            (
+                "paced",
+                "1 while no new group may start because the trainer could not train it inside max_staleness "
+                "(pacing: rollout_worker/pacing.py).",
+                v["paced"],
+            ),
         ):
             yield GaugeMetricFamily(f"brigade_rollout_{name}", doc, value=value)
         yield CounterMetricFamily(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bucket import events
 from bucket.events import EventLog
-from bucket.progress import read_progress
+from bucket.progress import TrainerProgress, read_progress
 from bucket.rollouts import ScoredGroup, ShardWriter
 from bucket.store import Store
 
@@ -23,6 +23,7 @@ class ShardOutput:
         self.shards_written = 0
         self.shard_groups: dict[int, int] = {}  # seq of each shard written by this process -> groups in it
         self.trainer_cursor = -1
+        self.progress: TrainerProgress | None = None  # the last trainer/progress.json read (pacing.py reads it)
 
     def add(self, group: ScoredGroup) -> None:
         self.pending.append(group)
@@ -43,6 +44,7 @@ class ShardOutput:
     def read_trainer_cursor(self) -> None:
         progress = read_progress(self.store)
         if progress is not None:
+            self.progress = progress
             self.trainer_cursor = progress.cursor(self.writer.worker)
 
     def unconsumed(self) -> int:

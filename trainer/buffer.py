@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import Literal
 
 from bucket.checkpoints import TrainerState
 from bucket.rollouts import GroupId, ScoredGroup, read_groups, read_shards
 from bucket.store import Store
 
 log = logging.getLogger("brigade.trainer")
+
+# Why a group was dropped. Rollout workers pace themselves so that `stale` stays 0 (rollout_worker/pacing.py):
+# it is the safety net that keeps a late group out of training, and a count above 0 says pacing failed.
+DropReason = Literal["stale", "newer_than_trainer"]
 
 
 class RolloutBuffer:
@@ -26,6 +31,7 @@ class RolloutBuffer:
         self.queue: collections.deque[tuple[GroupId, ScoredGroup]] = collections.deque()
         self.dropped: list[GroupId] = []
         self.invalid: list[str] = []
+        self.drops: collections.Counter[str] = collections.Counter()  # by DropReason, since the last step's event
 
     def restore(self, state: TrainerState) -> None:
         """Continue from a checkpoint: its cursors, and the groups it had read but not trained."""
@@ -44,7 +50,7 @@ class RolloutBuffer:
                 continue
             for gid, group in read.groups():
                 if self.is_stale(group, current_version):
-                    self.dropped.append(gid)
+                    self.drop(gid, group, current_version)
                 else:
                     self.queue.append((gid, group))
                     added += 1
@@ -58,13 +64,28 @@ class RolloutBuffer:
         lag = current_version - group.adapter_version
         return lag > self.max_staleness or lag < 0
 
+    def drop(self, gid: GroupId, group: ScoredGroup, current_version: int) -> None:
+        reason: DropReason = "newer_than_trainer" if group.adapter_version > current_version else "stale"
+        self.dropped.append(gid)
+        self.drops[reason] += 1
+        log.warning(
+            "group %s dropped (%s): generated with version %d, the trainer is at %d (max_staleness %d)",
+            gid, reason, group.adapter_version, current_version, self.max_staleness,
+        )  # fmt: skip
+
+    def take_drop_counts(self) -> dict[str, int]:
+        """Drops by reason since the previous call, as `dropped/<reason>` (each step's event carries them)."""
+        counts = {f"dropped/{reason}": n for reason, n in sorted(self.drops.items())}
+        self.drops.clear()
+        return counts
+
     def take(self, n: int, current_version: int) -> list[tuple[GroupId, ScoredGroup]]:
         """Up to n groups, oldest first; groups that went stale while waiting are dropped (and recorded)."""
         batch = []
         while self.queue and len(batch) < n:
             gid, group = self.queue.popleft()
             if self.is_stale(group, current_version):
-                self.dropped.append(gid)
+                self.drop(gid, group, current_version)
             else:
                 batch.append((gid, group))
         return batch

@@ -71,6 +71,12 @@ class TrainerMetrics(ServedMetrics):
         self.trained_samples = Counter(
             "brigade_trainer_trained_samples", "Completions trained on (zero-variance groups excluded).", registry=r
         )
+        self.groups_dropped = Counter(
+            "brigade_trainer_groups_dropped",
+            "Groups read but never trained, by reason (stale: outside max_staleness, which pacing keeps at 0).",
+            ["reason"],
+            registry=r,
+        )
         self.wait_seconds = Counter(
             "brigade_trainer_rollout_wait_seconds",
             "Time spent waiting for rollouts (starved when it grows at close to 1 s/s).",
@@ -104,6 +110,9 @@ class TrainerMetrics(ServedMetrics):
         self.step_seconds.observe(step_s)
         self.trained_tokens.inc(float(m.get("perf/tok_s", 0.0)) * step_s)
         self.trained_samples.inc(float(m.get("samples", 0)))
+        for key, n in m.items():
+            if key.startswith("dropped/"):  # trainer/buffer.py's reasons
+                self.groups_dropped.labels(key.removeprefix("dropped/")).inc(n)
 
     def published(self, version: int, serialize_s: float, upload_s: float) -> None:
         self.version.set(version)

@@ -62,6 +62,7 @@ class Trainer:
         self.version = Version(0)  # the last version published (0 = nothing yet)
         self.step = 0
         self.published_step = 0  # the step of the last version published (or resumed from)
+        self.version_cursors: dict[str, int] = {}  # the buffer's cursors when `version` was published
         self.stop = StopRequest()  # set by SIGTERM / SIGINT when trainer/main.py runs the job (trainer/stopping.py)
         self.trained: list[GroupId] = []  # since the last checkpoint
         self.skipped: list[GroupId] = []  # zero reward variance, since the last checkpoint
@@ -85,6 +86,7 @@ class Trainer:
         load_optimizer(self.optimizer, checkpoints.load_file(self.store, state.version, OPTIMIZER_FILE))
         self.buffer.restore(state)
         self.version, self.step, self.published_step = state.version, state.step, state.step
+        self.version_cursors = dict(state.cursors)
         self.groups_trained, self.groups_dropped_stale = state.groups_trained, state.groups_dropped_stale
         self.groups_skipped = state.groups_skipped_zero_variance
         log.info("resumed from checkpoint %s at step %d", state.version.folder, state.step)
@@ -117,7 +119,15 @@ class Trainer:
         # Written whenever the cursors move, even when no step can run yet (e.g. everything read was
         # stale), so a paused worker always resumes.
         progress.write_progress(
-            self.store, progress.TrainerProgress(step=self.step, version=self.version, cursors=self.buffer.cursors)
+            self.store,
+            progress.TrainerProgress(
+                step=self.step,
+                version=self.version,
+                cursors=self.buffer.cursors,
+                # what rollout workers pace by (rollout_worker/pacing.py)
+                groups_per_version=self.settings.groups_per_step * self.settings.weight_sync_steps,
+                version_cursors=self.version_cursors,
+            ),
         )
 
     # -- one step -----------------------------------------------------------------
@@ -177,6 +187,7 @@ class Trainer:
                 "samples": sum(len(groups[i].samples) for i in keep),
                 # every sample of the step's groups, equal-reward ones included: TRL's count of trained samples
                 "samples_consumed": sum(len(g.samples) for g in groups),
+                **self.buffer.take_drop_counts(),  # dropped/<reason> since the previous step (trainer/buffer.py)
             }
         )
         m["perf/samples_per_s"] = m["samples"] / step_s if step_s > 0 else 0.0
@@ -239,6 +250,7 @@ class Trainer:
         serialize_s, upload_s = t1 - t0, (t2 - t1) + (time.monotonic() - t3)
         checkpoints.point_latest(self.store, version)
         self.version, self.published_step = version, self.step
+        self.version_cursors = dict(self.buffer.cursors)
         self.groups_trained, self.groups_dropped_stale, self.groups_skipped = (
             groups_trained,
             groups_dropped_stale,
@@ -257,6 +269,7 @@ class Trainer:
         log.info("published adapter %s (%s) at step %d", version.folder, lora_name, self.step)
         self.trained, self.skipped = [], []
         self.buffer.clear_records()
+        self.write_progress()  # the new version and where it starts: rollout workers pace by them at once
 
     def stopped(self, published: list[int]) -> None:
         """The `trainer_stopped` event and log line: which signal, what it interrupted, what was finished."""
