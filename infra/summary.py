@@ -19,6 +19,8 @@ from bucket.rollouts import ShardRead, read_shards
 from bucket.store import Store
 from infra.best_version import best_figures, best_line
 from infra.config import Config
+from infra.summary_lengths import drops_by_reason, length_figures
+from infra.summary_lengths import lines as length_lines
 
 
 def accuracy_curve(evals: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
@@ -135,20 +137,21 @@ def summarize(store: Store) -> dict[str, Any]:
             }
         )
     shards = read_shards(store, {})
+    lineage = checkpoints.lineage(store)
     figures = run_figures(
         steps,
         versions,
         rollout_shards=len(shards),
         rollout_shards_invalid=[s.record.key for s in shards if s.shard is None],
         groups_written=sum(len(s.shard.groups) for s in shards if s.shard),
-        lineage=checkpoints.lineage(store),
+        lineage=lineage,
         done=read_done(store) is not None,
         evals=[e for e in evs if e["kind"] == events.EVAL],
         eval_skips=[e for e in evs if e["kind"] == events.EVAL_SKIPPED],
         reward_failures=sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
         first_ts=evs[0]["ts"] if evs else None,
     )
-    return figures | episode_figures(shards, evs)
+    return figures | episode_figures(shards, evs) | length_figures(shards, lineage)
 
 
 def run_figures(
@@ -194,6 +197,7 @@ def run_figures(
         "groups_written": groups_written,
         "groups_trained": sum(len(st.trained) for st in lineage),
         "groups_dropped_stale": sum(len(st.dropped_stale) for st in lineage),
+        "groups_dropped_by_reason": drops_by_reason(steps),
         "groups_skipped_zero_variance": sum(len(st.skipped_zero_variance) for st in lineage),
         "groups_pending": len(lineage[-1].pending) if lineage else 0,
         "done": done,
@@ -224,6 +228,7 @@ def render(summary: dict[str, Any]) -> str:
         f"  (version {summary.get('final_accuracy_version') or '-'}; greedy, {len(summary.get('accuracy_curve', []))} "
         "evaluations)",
         *best_line(summary),
+        *length_lines(summary),
         *evaluation_notes(summary),
         *episode_lines(summary),
         f"adapter versions      {summary['adapter_versions']}  (sync p50 {f(summary['sync_p50_s'], '.2f')} s, "

@@ -1,0 +1,81 @@
+"""The summary's figures on what was dropped and why, and on completion lengths generated against trained.
+
+Dropping late groups trains mostly on short answers (docs/long-rollouts.md): these figures show whether a
+run did. Drops come from the trainer's `train_step` events (`dropped/<reason>`, trainer/buffer.py); lengths
+from the shards (every sample written) and the checkpoints' lineage (the groups trained).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from bucket.checkpoints import TrainerState
+from bucket.rollouts import ShardRead
+
+
+def drops_by_reason(steps: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Groups the trainer dropped, by reason, summed over its steps' events (drops after the last step are not
+    in an event yet: the checkpoints' `groups_dropped_stale` counts them)."""
+    out: dict[str, int] = {}
+    for e in steps:
+        for key, n in e.items():
+            if key.startswith("dropped/") and isinstance(n, int | float):
+                reason = key.removeprefix("dropped/")
+                out[reason] = out.get(reason, 0) + int(n)
+    return dict(sorted(out.items()))
+
+
+def distribution(xs: list[int]) -> dict[str, float | int | None]:
+    """count, mean, p50, p90 (nearest rank) and max."""
+    if not xs:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "max": None}
+    s = sorted(xs)
+
+    def rank(q: float) -> int:
+        return s[max(0, math.ceil(q * len(s)) - 1)]
+
+    return {"count": len(s), "mean": statistics.fmean(s), "p50": rank(0.5), "p90": rank(0.9), "max": s[-1]}
+
+
+def length_figures(shards: Sequence[ShardRead], lineage: Sequence[TrainerState]) -> dict[str, Any]:
+    """Sampled tokens per completion (an episode's mask-1 tokens) of every sample written and of those trained,
+    and the ratio of their means (1.00: training saw the lengths generation produced)."""
+    trained_ids = {g for st in lineage for g in st.trained}
+    generated: list[int] = []
+    trained: list[int] = []
+    for read in shards:
+        for gid, group in read.groups():
+            lengths = [s.trained_tokens for s in group.samples]
+            generated += lengths
+            if str(gid) in trained_ids:
+                trained += lengths
+    gen, tr = distribution(generated), distribution(trained)
+    ratio = tr["mean"] / gen["mean"] if gen["mean"] and tr["mean"] is not None else None
+    return {"completion_len_generated": gen, "completion_len_trained": tr, "trained_len_vs_generated": ratio}
+
+
+def lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's lines for drops by reason and the two length distributions."""
+    drops = summary.get("groups_dropped_by_reason") or {}
+    out = [
+        "dropped by reason     "
+        + (", ".join(f"{n} {reason}" for reason, n in drops.items()) if drops else "none")
+        + "  (stale: read outside max_staleness; rollout pacing keeps it 0)"
+    ]
+    gen, tr = summary.get("completion_len_generated"), summary.get("completion_len_trained")
+    if gen and gen["count"]:
+
+        def d(x: dict[str, Any]) -> str:
+            mean = "-" if x["mean"] is None else f"{x['mean']:.1f}"
+            return f"mean {mean}, p50 {x['p50'] or '-'}, p90 {x['p90'] or '-'}, max {x['max'] or '-'} ({x['count']})"
+
+        ratio = summary.get("trained_len_vs_generated")
+        out += [
+            f"completion tokens     generated {d(gen)}",
+            f"                      trained   {d(tr)}; trained/generated mean "
+            + ("-" if ratio is None else f"{ratio:.3f}"),
+        ]
+    return out
