@@ -19,11 +19,17 @@ Policies, one run each on the same seed:
 * `pace`: the same bounds plus pacing, computed by rollout_worker/pacing.py itself (`window`,
   `start_budget`) from a trainer/progress.json the simulated trainer writes as the real one does.
 
+* `switch`: pacing plus the in-flight version switch: when a version goes live, every sequence sampled by one
+  more than `--switch-after` versions behind it is continued under it, its prompt and the tokens so far
+  computed again on its replica (`PREFILL_S` a token: vLLM keys its cache on the adapter, nothing is
+  reused). The trainer's check still counts from a group's first version, so pacing is unchanged.
+
 Keys per policy: `trained_len_vs_generated` (mean completion length of trained samples / of every
 generated sample; goal 1.00 +- 0.02), `dropped_stale` (goal 0), `trainer_busy` (share of the time from the
 first step's start spent in steps; goal >= 0.9), `staleness_p95` (versions, trained groups; <= max_staleness),
-`tokens_per_s` (completion tokens generated per simulated second), and the lengths' means and p90s.
-The in-flight version switch (issue 31 item 2) is not simulated yet: `policies` has no `switch`.
+`tokens_per_s` (completion tokens generated per simulated second), the lengths' means and p90s, and the
+trained tokens' staleness (`token_staleness_mean`, `_p95`: versions between the one that sampled each token
+and the trainer's); `switch` adds `reprefill_tokens_per_generated_token`.
 """
 
 from __future__ import annotations
@@ -62,6 +68,19 @@ class Group:
     lengths: list[int]
     prompt_len: int
     left: int = 0  # sequences still generating
+    segments: list[tuple[int, int]] = field(default_factory=list)  # (version, tokens) of its finished sequences
+
+
+@dataclass
+class Seq:
+    """One completion being generated: the version sampling it now, and the spans earlier versions sampled."""
+
+    group: Group
+    length: int
+    kv: int
+    start_step: float  # the replica's step count when it began
+    version: int
+    done_tokens: int = 0  # sampled under earlier versions (an in-flight switch)
 
 
 @dataclass
@@ -71,7 +90,7 @@ class Replica:
     last: float = 0.0
     stall_until: float = 0.0
     kv_used: int = 0
-    heap: list[tuple[float, int, Group, int]] = field(default_factory=list)  # (finish step, id, group, kv)
+    heap: list[tuple[float, int, Seq]] = field(default_factory=list)  # (finish step, id, sequence)
     queue: deque[Group] = field(default_factory=deque)
     n: int = 0
 
@@ -92,7 +111,7 @@ class Replica:
 
     def groups(self) -> list[Group]:
         """Groups in flight here (queued or running)."""
-        return [*self.queue, *(g for _, _, g, _ in self.heap)]
+        return [*self.queue, *(q.group for _, _, q in self.heap)]
 
     def work(self) -> int:
         return sum(g.prompt_len + sum(g.lengths) for g in self.queue) + self.kv_used
@@ -110,19 +129,36 @@ class Replica:
                 self.n += 1
                 kv = g.prompt_len + length
                 self.kv_used += kv
-                heapq.heappush(self.heap, (self.steps + length, self.n, g, kv))
+                heapq.heappush(self.heap, (self.steps + length, self.n, Seq(g, length, kv, self.steps, g.version)))
 
     def finished(self, now: float) -> list[Group]:
         self.advance(now)
         done = []
         while self.heap and self.heap[0][0] <= self.steps + 1e-9:
-            _, _, g, kv = heapq.heappop(self.heap)
-            self.kv_used -= kv
+            _, _, q = heapq.heappop(self.heap)
+            g = q.group
+            self.kv_used -= q.kv
+            g.segments.append((q.version, q.length - q.done_tokens))
             g.left -= 1
             if g.left == 0:
                 done.append(g)
         self.admit(now)
         return done
+
+    def switch(self, now: float, newest: int, switch_after: int) -> int:
+        """Continue every sequence sampled by a version more than `switch_after` behind `newest` under `newest`:
+        its prompt and the tokens so far are computed again (vLLM keys its cache on the adapter). Returns the
+        tokens re-prefilled."""
+        self.advance(now)
+        redo = 0
+        for _, _, q in self.heap:
+            sampled = min(q.length - 1, int(self.steps - q.start_step))
+            if newest - q.version > switch_after and sampled > q.done_tokens:
+                q.group.segments.append((q.version, sampled - q.done_tokens))
+                q.version, q.done_tokens = newest, sampled
+                redo += q.group.prompt_len + sampled
+        self.stall_until = max(self.stall_until, now) + PREFILL_S * redo
+        return redo
 
 
 def p(xs: list[float], q: float) -> float:
@@ -131,7 +167,8 @@ def p(xs: list[float], q: float) -> float:
     return s[max(0, math.ceil(q * len(s)) - 1)] if s else 0.0
 
 
-def simulate(args: argparse.Namespace, pace: bool) -> dict[str, Any]:
+def simulate(args: argparse.Namespace, pace: bool, switch_after: int | None = None) -> dict[str, Any]:
+    """One policy's run: `pace` (pacing.py's rule) or not; `switch_after` versions: the in-flight switch."""
     rng = random.Random(args.seed)
     replicas = [Replica(args.kv_tokens) for _ in range(args.replicas)]
     buffer = RolloutBuffer(store=None, max_staleness=args.max_staleness)  # type: ignore[arg-type]  # is_stale only
@@ -144,7 +181,8 @@ def simulate(args: argparse.Namespace, pace: bool) -> dict[str, Any]:
     generated: list[int] = []
     trained: list[int] = []
     staleness: list[int] = []
-    dropped = step = 0
+    token_staleness: dict[int, int] = {}  # versions behind the trainer -> trained tokens sampled that far behind
+    dropped = step = reprefilled = 0
     busy_until, first_step, busy_s = math.inf, None, 0.0
     t = 0.0
     while step < args.steps:
@@ -177,6 +215,8 @@ def simulate(args: argparse.Namespace, pace: bool) -> dict[str, Any]:
                 for g in batch:
                     trained.extend(g.lengths)
                     staleness.append(version - g.version)
+                    for v, n in g.segments:
+                        token_staleness[version - v] = token_staleness.get(version - v, 0) + n
                 first_step = t if first_step is None else first_step
                 busy_until = t + args.step_s
                 break
@@ -193,6 +233,8 @@ def simulate(args: argparse.Namespace, pace: bool) -> dict[str, Any]:
             live_at = t + args.sync_s
         if t >= live_at:
             live, live_at = version, math.inf
+            if switch_after is not None:
+                reprefilled += sum(r.switch(t, live, switch_after) for r in replicas)
         for r in replicas:
             for g in r.finished(t):
                 running -= 1
@@ -202,12 +244,27 @@ def simulate(args: argparse.Namespace, pace: bool) -> dict[str, Any]:
                 written.append(g)
                 generated.extend(g.lengths)
     end = t
+    tokens = sorted(token_staleness.items())
+    total = sum(n for _, n in tokens)
+    cum, token_p95 = 0, 0
+    for lag, n in tokens:
+        cum += n
+        if cum >= 0.95 * total:
+            token_p95 = lag
+            break
+    switched = {} if switch_after is None else {
+        "reprefill_tokens_per_generated_token": round(reprefilled / sum(generated), 4),
+        "switch_after": switch_after,
+    }  # fmt: skip
     return {
         "trained_len_vs_generated": round(statistics.fmean(trained) / statistics.fmean(generated), 4),
         "dropped_stale": dropped,
         "trainer_busy": round(busy_s / (end - first_step), 4) if first_step is not None else 0.0,
         "staleness_p95": p(staleness, 0.95),
         "staleness_max": max(staleness),
+        "token_staleness_mean": round(sum(lag * n for lag, n in tokens) / total, 3),
+        "token_staleness_p95": token_p95,
+        **switched,
         "tokens_per_s": round(sum(generated) / end, 1),
         "generated_len_mean": round(statistics.fmean(generated), 1),
         "trained_len_mean": round(statistics.fmean(trained), 1),
@@ -232,12 +289,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sync-s", type=float, default=1.0, help="publish to live on the replicas")
     ap.add_argument("--lead", type=int, default=64, help="max_inflight_groups = max_unconsumed_groups")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--switch-after", type=int, default=1, help="switch: versions behind the newest before a switch")
     return ap.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
-    policies = {"drop": simulate(args, pace=False), "pace": simulate(args, pace=True)}
+    policies = {
+        "drop": simulate(args, pace=False),
+        "pace": simulate(args, pace=True),
+        "switch": simulate(args, pace=True, switch_after=args.switch_after),
+    }
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     return {"policies": policies, "settings": settings, "wall_s": round(time.monotonic() - t0, 2)}
 

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch
 
-from bucket import adapters, checkpoints, events, layout
+from bucket import adapters, checkpoints, events, layout, progress
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
 from bucket.store import Store
@@ -138,6 +138,15 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     shard = f"{layout.ROLLOUTS}/w0/000000/{{:012d}}.json#{{}}".format
     assert set(dropped) == {shard(2, 0), shard(2, 1), shard(3, 0)}
     assert pending == [shard(4, 1)]
+    # each drop's reason is in the step event after it (what `brigade summary` adds up) ...
+    steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
+    assert sum(e.get("dropped/stale", 0) for e in steps) == 3 and not any(
+        "dropped/newer_than_trainer" in e for e in steps
+    )
+    # ... and trainer/progress.json says what rollout workers pace by (rollout_worker/pacing.py)
+    said = progress.read_progress(store)
+    assert said is not None and (said.version, said.groups_per_version) == (5, 2)  # groups_per_step x weight_sync 1
+    assert said.version_cursors == final.cursors  # as read when v5 was published
 
 
 def _check_metrics_and_events(scrapes: list[dict[str, float]], store: Store, steps: list[dict]) -> None:
