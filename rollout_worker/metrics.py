@@ -33,7 +33,8 @@ class _Live(ScrapeCollector):
             ("unconsumed_groups", "Groups scored or in flight that the trainer has not read yet.", v["unconsumed"]),
             (
                 "waiting_for_trainer",
-                "1 while no new group may start because the trainer has not read enough (max_unconsumed_groups).",
+                "1 while no new group may start because the trainer has not read enough (max_unconsumed_groups, or "
+                "pacing: then brigade_rollout_paced is 1 too).",
                 v["waiting"],
             ),
             (
