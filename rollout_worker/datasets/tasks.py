@@ -12,9 +12,15 @@ import json
 from importlib.metadata import version
 from typing import Any
 
-from reasoning_gym.factory import CURRICULA, DATASETS
-
 from rollout_worker.datasets.spec import SpecError, TaskSpec
+
+try:
+    from reasoning_gym.factory import CURRICULA, DATASETS
+except ImportError:  # an optional extra: its pycosat builds from source (a C compiler), so images leave it out
+    raise SpecError(
+        "a reasoning-gym dataset needs the reasoning-gym package, which is not installed here: "
+        "pip install 'brigade[reasoning-gym]' (its pycosat dependency builds from source and needs a C compiler)"
+    ) from None
 
 NOT_TASKS = ("composite",)  # reasoning-gym's mixer of other tasks; the spec's '+' mixes instead
 
