@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chaos import run_chaos
+from benchmarks.chaos import _config, run_chaos
 from infra.audit import MUST_BE_ZERO
 from infra.chaos import KINDS, plan
+from infra.local_task import MULTITURN_ENVIRONMENT
 
 MINUTES, SEED = 3.0, 7
 
@@ -62,3 +63,12 @@ def test_the_schedule_is_seeded_and_kills_every_job_kind():
         assert [a.op for a in acts].count("add") == 1 and [a.op for a in acts].count("term") == 1
         assert all(0 < a.at_s < minutes * 60 for a in acts) and acts == sorted(acts)
     assert len(plan(30, SEED)) > len(plan(3, SEED))
+
+
+def test_the_task_option_gives_every_job_the_tasks_rollout_settings():
+    """No run needed: `--task multiturn` writes what `brigade local --local.task multiturn` would into the run's
+    config (the one file every job reads); the default stays single-turn."""
+    multiturn = _config("s3://b/run", "/models/m", "/runs", "multiturn").rollout
+    assert (multiturn.environment, multiturn.max_turns) == (MULTITURN_ENVIRONMENT, 2)
+    assert multiturn.max_completion_length == 8  # the chaos run's own settings are kept
+    assert _config("s3://b/run", "/models/m", "/runs").rollout.environment in (None, "")
