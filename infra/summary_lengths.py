@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bucket.checkpoints import TrainerState
@@ -40,18 +40,22 @@ def distribution(xs: list[int]) -> dict[str, float | int | None]:
     return {"count": len(s), "mean": statistics.fmean(s), "p50": rank(0.5), "p90": rank(0.9), "max": s[-1]}
 
 
+def group_lengths(shards: Sequence[ShardRead]) -> dict[str, list[int]]:
+    """Sampled tokens per completion (an episode's mask-1 tokens) of every group written, by group id."""
+    return {str(gid): [s.trained_tokens for s in group.samples] for read in shards for gid, group in read.groups()}
+
+
 def length_figures(shards: Sequence[ShardRead], lineage: Sequence[TrainerState]) -> dict[str, Any]:
-    """Sampled tokens per completion (an episode's mask-1 tokens) of every sample written and of those trained,
-    and the ratio of their means (1.00: training saw the lengths generation produced)."""
+    """The lengths of every sample written and of those trained, and the ratio of their means (1.00: training
+    saw the lengths generation produced)."""
+    return lengths_figures(group_lengths(shards), lineage)
+
+
+def lengths_figures(lengths: Mapping[str, list[int]], lineage: Sequence[TrainerState]) -> dict[str, Any]:
+    """`length_figures` from lengths already read (the dashboard reads shards as they come)."""
     trained_ids = {g for st in lineage for g in st.trained}
-    generated: list[int] = []
-    trained: list[int] = []
-    for read in shards:
-        for gid, group in read.groups():
-            lengths = [s.trained_tokens for s in group.samples]
-            generated += lengths
-            if str(gid) in trained_ids:
-                trained += lengths
+    generated = [n for ns in lengths.values() for n in ns]
+    trained = [n for gid, ns in lengths.items() if gid in trained_ids for n in ns]
     gen, tr = distribution(generated), distribution(trained)
     ratio = tr["mean"] / gen["mean"] if gen["mean"] and tr["mean"] is not None else None
     return {"completion_len_generated": gen, "completion_len_trained": tr, "trained_len_vs_generated": ratio}

@@ -25,6 +25,7 @@ from bucket.store import NotFound, Store
 from infra.dashboard.episodes import Episodes
 from infra.dashboard.heartbeats import Heartbeats
 from infra.summary import run_figures
+from infra.summary_lengths import group_lengths, lengths_figures
 from infra.timeline import VERSION_KINDS, Timeline, VersionSync
 
 log = logging.getLogger("brigade.dashboard")
@@ -104,6 +105,7 @@ class RunData:
         self.evals: list[dict[str, Any]] = []  # held-out accuracy per evaluated version, by ts
         self.eval_skips: list[dict[str, Any]] = []  # versions that came due while an evaluation ran
         self.reward_failures = 0
+        self.group_lengths: dict[str, list[int]] = {}  # sampled tokens per completion, by group (summary_lengths)
         self.episodes = Episodes()  # an environment run's episodes and env_failed events (none for single-turn)
         self.first_ts: float | None = None
         self.last_ts: float | None = None
@@ -196,6 +198,7 @@ class RunData:
                 continue
             self.groups_written += len(read.shard.groups)
             groups += [(g, read.record.writer) for g in read.shard.groups]
+            self.group_lengths.update(group_lengths([read]))
         for g, worker in sorted(groups, key=lambda gw: gw[0].generated_at):
             self.generated.append((g.generated_at, sum(len(s.completion_ids) for s in g.samples)))
             for s in g.samples:
@@ -307,4 +310,5 @@ class RunData:
             reward_failures=self.reward_failures,
             first_ts=self.first_ts,
         )
-        return figures | self.episodes.figures()  # as `brigade summary`: absent for a single-turn run
+        # as `brigade summary`: episodes absent for a single-turn run
+        return figures | self.episodes.figures() | lengths_figures(self.group_lengths, self.lineage)

@@ -10,13 +10,13 @@ single-turn run has neither, and the section, the API's figures and the terminal
 from __future__ import annotations
 
 import collections
-import json
 from html import escape
 from typing import Any
 
 from rich.markup import escape as escape_markup
 
 from bucket.rollouts import Sample, ScoredGroup
+from infra.dashboard.markup import metric, number
 
 LAST_ERRORS = 10  # env_failed events kept with their text
 
@@ -81,12 +81,7 @@ class Episodes:
         }
 
 
-def _metric(key: str, value: Any, text: str) -> str:
-    return f'<span data-metric="{escape(key)}" data-value="{escape(json.dumps(value))}">{escape(text)}</span>'
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+_metric, _f = metric, number
 
 
 def _bars(counts: dict[str, int], label: str) -> str:

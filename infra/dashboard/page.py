@@ -18,7 +18,9 @@ from infra.dashboard import svg
 from infra.dashboard.data import RunData, percentile
 from infra.dashboard.episodes import episodes_panel
 from infra.dashboard.health import P95_LIMIT_S, WINDOW, Health, check
+from infra.dashboard.markup import figure, metric, number
 from infra.dashboard.replica_panels import replica_panels
+from infra.dashboard.run_figures import best_and_lengths
 from infra.dashboard.training_panels import training_panels
 from infra.timeline import STAGES, Clocks, VersionSync
 
@@ -68,13 +70,7 @@ setTimeout(tick,ms);}setTimeout(tick,ms);})();
 """
 
 
-def _f(x: Any, fmt: str = ".3f") -> str:
-    """As `brigade summary` prints numbers: '-' for none."""
-    return "-" if x is None else format(x, fmt)
-
-
-def _metric(key: str, value: Any, text: str) -> str:
-    return f'<span data-metric="{escape(key)}" data-value="{escape(json.dumps(value))}">{escape(text)}</span>'
+_f, _metric = number, metric
 
 
 def _ago(ts: float | None) -> str:
@@ -95,8 +91,7 @@ def banner(h: Health) -> str:
 
 
 def figures(s: dict[str, Any]) -> str:
-    def fig(label: str, body: str, sub: str = "") -> str:
-        return f'<div class="figure"><small>{escape(label)}</small><b>{body}</b><small>{sub}</small></div>'
+    fig = figure
 
     return (
         '<section><h2>Run (the figures of <code>brigade summary</code>)</h2><div class="figures">'
@@ -175,6 +170,7 @@ def figures(s: dict[str, Any]) -> str:
             _metric("reward_failures", s.get("reward_failures", 0), str(s.get("reward_failures", 0))) + " failed",
             _metric("reward_curve", s.get("reward_curve", []), str(len(s.get("reward_curve", [])))) + " steps scored",
         )
+        + best_and_lengths(s)
         + "</div></section>"
     )
 
