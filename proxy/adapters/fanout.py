@@ -224,6 +224,11 @@ class AdapterFanout:
     ) -> Response:
         self.state.metrics.load_seconds.observe(seconds)
         answered = answered or {}
+        # Stamped when each replica's load (and probe) ended, not when the event is written: the version is live
+        # before its records reach the bucket, and on a slow or faulty store that write takes seconds; stamped at
+        # the write, a record came after groups generated with the version (a chaos run's audit counted one such
+        # group as mixed).
+        wall = time.time() - time.monotonic()
         batch: list[tuple[events.EventKind, dict[str, Any]]] = []
         for r in results:
             self.state.metrics.replica_load_seconds.labels(r.replica).observe(max(0.0, r.done_at - received))
@@ -236,6 +241,7 @@ class AdapterFanout:
                 "load_s": round(answered.get(r.replica, r.done_at) - received, 4),
                 "attempts": r.attempts,
                 "already_loaded": not r.newly,
+                "ts": wall + r.done_at,
             }
             batch.append((events.LOADED, loaded))
         loaded_all = {
@@ -246,6 +252,7 @@ class AdapterFanout:
             "replicas": len(results),
             "probed": ad.canary is not None,
             "ejected_by_probe": sorted(probe_failed or {}),
+            "ts": wall + received + seconds,  # when it went live on every replica
         }
         await self.events.emit_all([*batch, (events.LOADED_ALL, loaded_all)])
         log.info(

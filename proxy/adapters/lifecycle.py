@@ -120,7 +120,9 @@ class AdapterLifecycle:
         received, started_at = time.monotonic(), time.time()
         # Written beside the load, not before it: with many replicas the loop is busy and a trip off it for the
         # event held every load back by a turn of the loop.
-        detected = asyncio.create_task(self.events.emit(events.DETECTED, version=int(version), lora_name=ad.lora_name))
+        # Stamped when it was seen (the write may start later): never after the loads' own stamps (fanout.py).
+        seen = dict(version=int(version), lora_name=ad.lora_name, ts=started_at)
+        detected = asyncio.create_task(self.events.emit(events.DETECTED, **seen))
         self.loading = version
         try:
             resp = await self.fanout.load_ref(ad, received, started_at)
