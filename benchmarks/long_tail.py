@@ -50,14 +50,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.decode_clock import PREFILL_S, DecodeClock  # noqa: E402
 from benchmarks.report import with_cpu  # noqa: E402
 from bucket.progress import TrainerProgress  # noqa: E402
 from rollout_worker.pacing import start_budget, window  # noqa: E402
 from trainer.buffer import RolloutBuffer  # noqa: E402
 
-STEP_S = 0.010
-PER_SEQ_S = 0.0003
-PREFILL_S = 0.00005
 WORKER = "w0"
 
 
@@ -83,31 +81,13 @@ class Seq:
     done_tokens: int = 0  # sampled under earlier versions (an in-flight switch)
 
 
-@dataclass
-class Replica:
-    kv_tokens: int
-    steps: float = 0.0  # decode steps done
-    last: float = 0.0
-    stall_until: float = 0.0
-    kv_used: int = 0
-    heap: list[tuple[float, int, Seq]] = field(default_factory=list)  # (finish step, id, sequence)
-    queue: deque[Group] = field(default_factory=deque)
-    n: int = 0
-
-    def step_s(self) -> float:
-        return STEP_S + PER_SEQ_S * len(self.heap)
-
-    def advance(self, now: float) -> None:
-        start = max(self.last, self.stall_until)
-        if now > start and self.heap:
-            self.steps += (now - start) / self.step_s()
-        self.last = max(self.last, now)
-
-    def next_finish(self) -> float:
-        if not self.heap:
-            return math.inf
-        start = max(self.last, self.stall_until)
-        return start + max(0.0, self.heap[0][0] - self.steps) * self.step_s()
+class Replica(DecodeClock):
+    def __init__(self, kv_tokens: int) -> None:
+        super().__init__()  # the heap holds (finish step, id, Seq)
+        self.kv_tokens = kv_tokens
+        self.kv_used = 0
+        self.queue: deque[Group] = deque()
+        self.n = 0
 
     def groups(self) -> list[Group]:
         """Groups in flight here (queued or running)."""

@@ -56,47 +56,27 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.decode_clock import PREFILL_S, DecodeClock  # noqa: E402
 from benchmarks.report import with_cpu  # noqa: E402
 from bucket.version import Version  # noqa: E402
 from proxy.routing.router import NEW, PREFIX_HIT, SPILL, PrefixRouter  # noqa: E402
 
 TEMPLATE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28, 2683, 359, 1978, 314, 2, 198, 1, 4093, 198, 57, 36]
 TEMPLATE = TEMPLATE + [3, 17]  # 23 tokens
-STEP_S = 0.010
-PER_SEQ_S = 0.0003
-PREFILL_S = 0.00005
 
 
-class Replica:
+class Replica(DecodeClock):
     """Continuous batching with a prefix cache; time advances in decode steps."""
 
     def __init__(self, rid: str, kv_block: int, kv_blocks: int) -> None:
         self.rid = rid
         self.kv_block = kv_block
         self.kv_blocks = kv_blocks
+        super().__init__()  # the heap holds (finish step, seq, (request, length))
         self.cache: OrderedDict[int, None] = OrderedDict()
-        self.steps = 0.0  # decode steps done
-        self.last = 0.0  # time the steps were counted up to
-        self.stall_until = 0.0  # prefill in progress: no decode steps meanwhile
-        self.heap: list[tuple[float, int, Any]] = []  # (finish step, seq, request)
         self.seq = 0
         self.served = 0
         self.computed = 0
-
-    def step_s(self) -> float:
-        return STEP_S + PER_SEQ_S * len(self.heap)
-
-    def advance(self, now: float) -> None:
-        start = max(self.last, self.stall_until)
-        if now > start and self.heap:
-            self.steps += (now - start) / self.step_s()
-        self.last = max(self.last, now)
-
-    def next_finish(self) -> float:
-        if not self.heap:
-            return math.inf
-        start = max(self.last, self.stall_until)
-        return start + max(0.0, self.heap[0][0] - self.steps) * self.step_s()
 
     def admit(self, now: float, req: dict[str, Any], blocks: list[int], prompt_len: int, seqs: int) -> None:
         self.advance(now)
