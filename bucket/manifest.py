@@ -26,7 +26,10 @@ from bucket.version import Version
 #   3: run.json records the tokenizer's fingerprint (bucket/tokenizer_id.py)
 #   4: a sample is an episode's token stream: per-token loss_mask and per-request turns (bucket/rollouts.py);
 #      a format-3 trainer would train the environment's and template's tokens as if the model had sampled them
-FORMAT_VERSION = 4
+#   5: a sample has no `env_error` (never set: an episode its environment ended is not written as a sample, it
+#      is an env_failed event; `finish_reason` says how a written episode ended); a format-4 shard could carry
+#      the field, which this reader's strict models refuse
+FORMAT_VERSION = 5
 
 
 class RunSpec(BaseModel):

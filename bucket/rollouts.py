@@ -92,9 +92,8 @@ class Sample(BaseModel):
     # What the replica said served it (vLLM's `model` field): the base model or "<run_id>-v000007". A shared
     # pool's audit reads it: a run's rollouts must never have been generated with another run's adapter.
     model: str = Field("", description="the model name the replica answered under")
-    # Episode facts for the summary (issue 30 item 8); 0 / "" for a single-turn sample.
+    # An episode fact for the summary (issue 30 item 8); 0 for a single-turn sample. How it ended is finish_reason.
     tool_calls: int = Field(0, ge=0, description="tool calls the episode made")
-    env_error: str = Field("", description="why the environment ended the episode early ('' = it did not)")
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> Sample:

@@ -71,7 +71,10 @@ class RolloutMetrics(ServedMetrics):
             "brigade_rollout_groups_failed", "Prompt groups given up (a request failed after its retries).", registry=r
         )
         self.generated_tokens = Counter(
-            "brigade_rollout_generated_tokens", "Completion tokens of the scored groups.", registry=r
+            "brigade_rollout_generated_tokens",
+            "Tokens the model sampled in the scored groups (an episode's template, environment and tool tokens are "
+            "not counted: they were not generated).",
+            registry=r,
         )
         self.reward = Summary(
             "brigade_rollout_sample_reward",
@@ -84,8 +87,8 @@ class RolloutMetrics(ServedMetrics):
             registry=r,
         )
 
-    def group(self, rewards: list[float], completion_tokens: int) -> None:
+    def group(self, rewards: list[float], sampled_tokens: int) -> None:
         self.groups.inc()
-        self.generated_tokens.inc(completion_tokens)
+        self.generated_tokens.inc(sampled_tokens)
         for reward in rewards:
             self.reward.observe(reward)

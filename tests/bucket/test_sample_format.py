@@ -50,11 +50,11 @@ def _group(*samples: dict, version: int = 2) -> ScoredGroup:
 def test_a_format_3_bucket_is_refused_as_the_format_rule_says(local_store: Store):
     """Format 3's shards would parse (a sample without a mask is the one-turn case), but a reader knows one
     format: a bucket written before episodes is refused with the same clear error as any other format."""
-    assert FORMAT_VERSION == 4
+    assert FORMAT_VERSION == 5
     init_or_check(local_store, RunSpec(), "test")
     data = json.loads(local_store.get_bytes(layout.RUN_MANIFEST))
     local_store.put_json(layout.RUN_MANIFEST, {**data, "format_version": 3})
-    with pytest.raises(UnknownFormat, match=r"format is 3; this brigade reads and writes format 4 only"):
+    with pytest.raises(UnknownFormat, match=r"format is 3; this brigade reads and writes format 5 only"):
         read_manifest(local_store)
 
 
@@ -68,7 +68,7 @@ def test_an_episode_round_trips_and_a_single_turn_sample_stays_small(local_store
     episode, one = group.samples
     assert episode.loss_mask == [1, 1, 1, 0, 0, 1, 1, 0] and episode.trained_tokens == 5
     assert [(t.start, t.end, t.version) for t in episode.turns] == [(0, 3, 2), (5, 7, 2)]
-    assert episode.tool_calls == 1 and episode.env_error == ""
+    assert episode.tool_calls == 1
     # the one-turn case: every token trained, one turn at the group's version
     assert one.loss_mask is None and one.turns is None and one.mask == [1, 1] and one.trained_tokens == 2
 
