@@ -43,6 +43,24 @@ class TrainerConfig(BaseModel):
     max_completion_length: int = Field(
         512, ge=1, description="dr_grpo's constant denominator: set it to the rollout's max_completion_length."
     )
+    token_mask: bool = Field(
+        False,
+        description="IcePop's token mask: a trained token whose importance ratio lies outside [token_mask_low, "
+        "token_mask_high] contributes no loss and no gradient (it stays in the loss type's denominator; "
+        "trainer/offpolicy.py). Logged as clip_ratio/token_mask_mean. TRL: vllm_importance_sampling_mode "
+        "token_mask with vllm_importance_sampling_clip_min/max.",
+    )
+    token_mask_low: float = Field(0.5, ge=0, lt=1, description="Lower end of the token mask's band (IcePop: 0.5).")
+    token_mask_high: float = Field(2.0, gt=1, description="Upper end of the token mask's band (IcePop: 2).")
+    sequence_geo_mask: bool = Field(
+        False,
+        description="Sequence mask: a sample whose geometric-mean importance ratio over its trained tokens lies "
+        "outside [sequence_geo_mask_low, sequence_geo_mask_high] contributes no loss and no gradient "
+        "(trainer/offpolicy.py; not TRL's sequence_mask, which bands the product of the ratios). Logged as "
+        "clip_ratio/sequence_mask_mean.",
+    )
+    sequence_geo_mask_low: float = Field(0.99, ge=0, lt=1, description="Lower end of the sequence mask's band.")
+    sequence_geo_mask_high: float = Field(1.01, gt=1, description="Upper end of the sequence mask's band.")
     beta: float = Field(
         0.0,
         ge=0,

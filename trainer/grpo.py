@@ -15,7 +15,10 @@ the PPO clip already stops the gradient above 1 + epsilon_high; for a negative
 advantage, where nothing else bounds it, a token whose ratio exceeds `delta`
 contributes delta * |A| and no gradient (the dual clip). With `beta` > 0 the
 k3 estimate of KL(trainer || base model) is added per token, the base model
-being the same weights with the adapter disabled.
+being the same weights with the adapter disabled. Two masks on the ratio, off by
+default, drop a token (`token_mask`, IcePop's band) or a whole sample
+(`sequence_geo_mask`, a band on its geometric-mean ratio) from the loss:
+trainer/offpolicy.py states the correction, `delta` as its truncation included.
 
 The per-token losses are summed with a weight per token that makes the sum the
 step's loss under `loss_type` (TRL's meanings, over the whole step rather than
@@ -42,6 +45,7 @@ from typing import Any, Literal
 import torch
 
 from bucket.rollouts import Sample, ScoredGroup
+from trainer.offpolicy import ratio_masks
 from trainer.packing import Completion, MicroBatch, packed_logprobs
 
 LossType = Literal["grpo", "dapo", "dr_grpo"]
@@ -58,6 +62,12 @@ class LossConfig:
     beta: float = 0.0
     scale_rewards: ScaleRewards = "group"
     max_completion_length: int = 512  # dr_grpo's constant denominator
+    token_mask: bool = False  # IcePop: tokens whose ratio is outside the band train nothing
+    token_mask_low: float = 0.5
+    token_mask_high: float = 2.0
+    sequence_geo_mask: bool = False  # samples whose geometric-mean ratio is outside the band train nothing
+    sequence_geo_mask_low: float = 0.99
+    sequence_geo_mask_high: float = 1.01
 
     @classmethod
     def from_settings(cls, settings: Any) -> LossConfig:
@@ -67,6 +77,14 @@ class LossConfig:
     @property
     def eps_high(self) -> float:
         return self.epsilon_high or self.epsilon
+
+    @property
+    def token_band(self) -> tuple[float, float] | None:
+        return (self.token_mask_low, self.token_mask_high) if self.token_mask else None
+
+    @property
+    def sequence_band(self) -> tuple[float, float] | None:
+        return (self.sequence_geo_mask_low, self.sequence_geo_mask_high) if self.sequence_geo_mask else None
 
 
 def _std(x: torch.Tensor) -> torch.Tensor:
@@ -125,8 +143,9 @@ def _completion(s: Sample, adv: float, weight: float, inv_t: float) -> Completio
     return Completion(s.completion_ids[:end], s.logprobs[:end], adv, weight, inv_t, None if all(mask) else mask)
 
 
-# Sums kept on the device over a step, read back once at its end.
-SUMS = ("tokens", "loss", "ratio", "kl", "entropy", "low", "high", "dual", "ref_kl")
+# Sums kept on the device over a step, read back once at its end (the masks' counts: trainer/offpolicy.py).
+MASK_COUNTS = ("token_masked", "sequences", "sequence_masked")
+SUMS = ("tokens", "loss", "ratio", "kl", "entropy", "low", "high", "dual", "ref_kl", *MASK_COUNTS)
 
 
 def token_loss(
@@ -135,8 +154,11 @@ def token_loss(
     adv: torch.Tensor,
     cfg: LossConfig,
     ref_logp: torch.Tensor | None = None,
+    sequence: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss (see the module docstring) and per-token indicators for the metrics."""
+    """Per-token loss (see the module docstring) and per-token indicators for the metrics, with the masks'
+    counts (MASK_COUNTS, 0-d) when one is on. `sequence`: each token's sequence (MicroBatch.sequence), which the
+    sequence mask needs."""
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     coef_1 = torch.exp(log_ratio)
     coef_2 = coef_1.clamp(1 - cfg.epsilon, 1 + cfg.eps_high)
@@ -156,6 +178,11 @@ def token_loss(
         ref_kl = torch.exp(d) - d - 1  # k3 estimate of KL(trainer || base), TRL's per_token_kl
         loss = loss + cfg.beta * ref_kl
         parts["ref_kl"] = ref_kl.detach()
+    if cfg.token_mask or cfg.sequence_geo_mask:
+        keep, counts = ratio_masks(log_ratio, sequence, cfg.token_band, cfg.sequence_band)
+        # where, not a product: a masked token's loss is 0 and its gradient exactly 0
+        loss = torch.where(keep, loss, torch.zeros_like(loss))
+        parts.update(counts)
     return loss, parts
 
 
@@ -170,7 +197,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], cfg:
         if cfg.beta:
             with torch.no_grad(), model.disable_adapter():
                 ref, _ = packed_logprobs(model, mb)
-        per_token, parts = token_loss(logp, mb.old_logprobs, mb.advantages, cfg, ref)
+        per_token, parts = token_loss(logp, mb.old_logprobs, mb.advantages, cfg, ref, mb.sequence)
         loss = (per_token * mb.weights).sum()
         loss.backward()
         zero = torch.zeros((), device=logp.device)
@@ -185,6 +212,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], cfg:
                 parts["high"].sum(),
                 parts["dual"].sum(),
                 parts["ref_kl"].sum() if "ref_kl" in parts else zero,
+                *(parts.get(k, zero) for k in MASK_COUNTS),
             ]
         )
         sums = row if sums is None else sums + row
@@ -204,6 +232,10 @@ def metrics(sums: list[float], beta: float) -> dict[str, float]:
         "clip_ratio/high_mean": s["high"] / n,
         "clip_ratio/region_mean": (s["low"] + s["high"]) / n,
         "clip_ratio/dual_mean": s["dual"] / n,
+        # the off-policy masks (trainer/offpolicy.py): tokens outside the token band, samples outside the
+        # sequence band; 0 while a mask is off
+        "clip_ratio/token_mask_mean": s["token_masked"] / n,
+        "clip_ratio/sequence_mask_mean": s["sequence_masked"] / max(s["sequences"], 1.0),
         "tokens": int(s["tokens"]),
     }
     if beta:

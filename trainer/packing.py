@@ -80,6 +80,9 @@ class MicroBatch:
     advantages: torch.Tensor  # [N]
     weights: torch.Tensor  # [N]
     inv_temperature: torch.Tensor  # [N]
+    # [N] which of the row's completions (0, 1, ...) each trained token belongs to: a completion is never split
+    # across rows, so a per-sequence quantity (trainer/offpolicy.py's geometric-mean ratio) is one row's
+    sequence: torch.Tensor
     tokens: int  # real (unpadded) tokens in the row
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -139,6 +142,8 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
     adv: list[float] = []
     weight: list[float] = []
     inv_t: list[float] = []
+    seq: list[int] = []
+    n_seq = 0
 
     def add_block(tokens: list[int], positions: range, pre: int, pre_span: tuple[int, int]) -> int:
         start = len(ids)
@@ -175,6 +180,8 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
             adv.extend([c.advantage] * n)
             weight.extend([c.weight] * n)
             inv_t.extend([c.inv_temperature] * n)
+            seq.extend([n_seq] * n)
+            n_seq += 1
     real = len(ids)
     for _ in range(-real % pad_to):
         add_block([0], range(1), -1, (len(ids), len(ids)))
@@ -194,6 +201,7 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
         advantages=t(adv, torch.float32),
         weights=t(weight, torch.float32),
         inv_temperature=t(inv_t, torch.float32),
+        sequence=t(seq, torch.long),
         tokens=real,
     )
 
