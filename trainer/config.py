@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from jobkit.settings import default_model_dir
+from trainer.schedule import Schedule
 
 
 class TrainerConfig(BaseModel):
@@ -21,6 +22,14 @@ class TrainerConfig(BaseModel):
         gt=0,
         description="AdamW learning rate (rank-1 LoRA wants ~10x a full fine-tune's; 1e-3 measured in the "
         "README's learning section).",
+    )
+    lr_scheduler_type: Schedule = Field(
+        "constant",
+        description="Learning-rate schedule over max_steps (transformers' names): constant, linear (to 0 at "
+        "max_steps) or cosine (half a cosine to 0); a function of the step, so a resumed run continues it.",
+    )
+    warmup_ratio: float = Field(
+        0.0, ge=0, lt=1, description="Share of max_steps over which the learning rate rises linearly from 0."
     )
     epsilon: float = Field(0.2, gt=0, lt=1, description="PPO-style clip range of the importance ratio (lower side).")
     epsilon_high: float = Field(

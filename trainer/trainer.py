@@ -37,6 +37,7 @@ from trainer.model import (
     optimizer_bytes,
 )
 from trainer.packing import FLEX_BLOCK, build, row_quantum, row_tokens, rows
+from trainer.schedule import lr_at
 from trainer.stopping import StopRequest, hold_publish
 
 log = logging.getLogger("brigade.trainer")
@@ -162,6 +163,15 @@ class Trainer:
         sums = self.dp.sum(accumulate(self.model, micro, self.loss))
         self.dp.sum_gradients(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm)
+        lr = lr_at(
+            self.step,
+            self.settings.max_steps,
+            self.settings.learning_rate,
+            self.settings.lr_scheduler_type,
+            self.settings.warmup_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()  # parameters without a gradient (nothing trained) are left alone
         self.step += 1
         self.trained.extend(batch[i][0] for i in keep)
@@ -175,6 +185,7 @@ class Trainer:
                 "step": self.step,
                 "version": self.version,
                 "grad_norm": values[-1],
+                "learning_rate": lr,
                 "reward": sum(rewards) / len(rewards),
                 "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
                 "frac_reward_zero_std": sum(zero) / len(zero),

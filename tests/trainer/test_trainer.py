@@ -96,11 +96,14 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
 
     port = free_port()
     with Scraper(f"http://127.0.0.1:{port}/metrics") as scraper:  # /metrics while the trainer runs
-        assert run_trainer(*_config(bucket, model_dir, max_steps=2, metrics_port=port)) == 0
+        # a linear schedule over the 2 steps: 1e-3, then 5e-4 (the restart below runs the default, constant)
+        config = _config(bucket, model_dir, max_steps=2, metrics_port=port, lr_scheduler_type="linear")
+        assert run_trainer(*config) == 0
     # v1 = untrained adapter, then one version per step
     assert adapters.committed_versions(store) == [1, 2, 3]
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
     assert abs(steps[0]["ratio"] - 1.0) < 1e-3, steps[0]
+    assert [e["learning_rate"] for e in steps] == pytest.approx([1e-3, 5e-4])
     assert all(e["perf/wait_s"] >= 0 for e in steps)  # what the proxy's autoscaler reads
     _check_metrics_and_events(scraper.scrapes, store, steps)
     first_state = checkpoints.load_latest(store)
@@ -140,6 +143,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     assert pending == [shard(4, 1)]
     # each drop's reason is in the step event after it (what `brigade summary` adds up) ...
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
+    assert [e["learning_rate"] for e in steps[2:]] == [1e-3]  # the restart's own setting: constant
     assert sum(e.get("dropped/stale", 0) for e in steps) == 3 and not any(
         "dropped/newer_than_trainer" in e for e in steps
     )
