@@ -185,7 +185,7 @@ def simulate(args: argparse.Namespace, pace: bool, switch_after: int | None = No
                 while written and len(batch) < args.groups_per_step:
                     g = written.popleft()
                     progress.cursors[WORKER] = g.seq
-                    if buffer.is_stale(SimpleNamespace(adapter_version=g.version), version):  # type: ignore[arg-type]
+                    if buffer.is_stale(SimpleNamespace(adapter_version=g.version, samples=[]), version):  # type: ignore[arg-type]
                         dropped += 1
                     else:
                         batch.append(g)

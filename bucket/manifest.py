@@ -29,7 +29,11 @@ from bucket.version import Version
 #   5: a sample has no `env_error` (never set: an episode its environment ended is not written as a sample, it
 #      is an env_failed event; `finish_reason` says how a written episode ended); a format-4 shard could carry
 #      the field, which this reader's strict models refuse
-FORMAT_VERSION = 5
+#   6: a single-turn sample may carry `turns`: a completion continued under a newer version by the in-flight
+#      switch (rollout.switch_after, rollout_worker/switch.py) records one span per version, and an episode's
+#      turns may have different versions; a format-5 reader takes every sample with turns for an episode of
+#      one version (its summary would count switched completions as episodes, its audit flag them as broken)
+FORMAT_VERSION = 6
 
 
 class RunSpec(BaseModel):

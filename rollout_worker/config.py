@@ -65,6 +65,22 @@ class RolloutConfig(BaseModel):
         "trainer/progress.json: groups per version, how far it has read): long completions are then never "
         "dropped for lateness (docs/long-rollouts.md). Off: only max_inflight_groups and max_unconsumed_groups.",
     )
+    switch_after: int | None = Field(
+        None,
+        ge=0,
+        description="In-flight version switch (docs/long-rollouts.md): a completion whose sampling version is more "
+        "than this many versions behind the newest live one continues under the newest at its next chunk boundary "
+        "(switch_chunk_tokens), and an episode's next turn starts under it; every token records the version and "
+        "logprob that sampled it. Unset: off (the default: pacing alone meets the staleness goals, and a switch "
+        "re-prefills the prompt and tokens so far, 0.27 tokens per generated token in benchmarks.long_tail).",
+    )
+    switch_chunk_tokens: int = Field(
+        256,
+        ge=1,
+        description="With switch_after set: new tokens a generation request asks for at most; a completion stopped "
+        "there with budget left is continued as a new request (prompt + tokens so far), under the same version "
+        "(its prefix cached on the replica) or, at a switch, the newest.",
+    )
     groups_per_shard: int = Field(2, ge=1, description="Scored groups per rollout shard written to the bucket.")
     dataset: str = Field(
         "arithmetic",

@@ -11,6 +11,9 @@ A request that fails for a reason that can pass (the proxy could not reach a
 replica, a replica died mid-answer, a timeout) is sent again, with back-off,
 instead of losing the whole group; one that can never succeed (a 4xx: a bad
 body, an adapter that is not loaded) fails the group at once.
+
+With `rollout.switch_after` set (`switch`, rollout_worker/switch.py), a completion is asked for in chunks and
+each unfinished one continued on its own, under the newest live version when the switch rule says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import httpx
 
 from bucket.pool import ADAPTER_RETIRED
 from bucket.rollouts import Sample, SamplingParams
+from rollout_worker.config import RolloutConfig
+from rollout_worker.switch import Live, Pieces, Switch
 
 log = logging.getLogger("brigade.rollout")
 
@@ -56,6 +61,17 @@ class Generator:
         self.shape = shape  # "n_1": one request per completion; "n_group": one request for the group
         self.token_cache: dict[str, list[int]] = {}  # the dataset is cycled: each prompt is tokenised once
         self.retries: collections.Counter[str] = collections.Counter()  # requests sent again, by reason (metrics)
+        self.switch: Switch | None = None  # rollout.switch_after set: chunked completions (switch.py)
+
+    @classmethod
+    def for_settings(
+        cls, client: httpx.AsyncClient, base_model: str, sampling: SamplingParams, rc: RolloutConfig, live: Live
+    ) -> Generator:
+        """The worker's generator: the `[rollout]` table's length and shape, and the switch when it is on."""
+        gen = cls(client, base_model, sampling, rc.max_completion_length, rc.generation_shape)
+        if rc.switch_after is not None:
+            gen.switch = Switch(rc.switch_after, rc.switch_chunk_tokens, live)
+        return gen
 
     async def prompt_ids(self, row: dict[str, Any]) -> tuple[str, list[int]]:
         """(prompt text, prompt token ids); a chat prompt gets the chat template and its assistant turn."""
@@ -75,29 +91,57 @@ class Generator:
     async def completions(self, model: str, ids: list[int], n: int) -> list[Sample]:
         """`n` completions; each is retried on its own, and a group fails only after every sibling has ended."""
         if self.shape == "n_group":
-            resp = await self._post("/v1/completions", self._body(model, ids, n))
+            resp = await self._post("/v1/completions", self._body(model, ids, n, self._first_chunk()))
             data = _check_served(model, resp.json())
             samples = [self._sample(resp, choice, data) for choice in sorted(data["choices"], key=_index)]
             if len(samples) != n:
                 raise GenerationFailed(f"asked for {n} completions in one request, got {len(samples)}")
-            return samples
-        results = await asyncio.gather(*(self.one_completion(model, ids) for _ in range(n)), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:  # any failure but a retired version first: that one is not worth generating the group again
-            raise next((r for r in failed if not isinstance(r, AdapterRetired)), failed[0])
-        return list(results)  # type: ignore[arg-type]
+            if self.switch is None:
+                return samples
+            # the siblings continue one by one: each its own n=1 request (one may switch, another may be done)
+            version = self.switch.live.version_of(model)
+            rest = await asyncio.gather(*(self._continued(ids, s, version) for s in samples), return_exceptions=True)
+            return _all(rest)
+        return _all(await asyncio.gather(*(self.one_completion(model, ids) for _ in range(n)), return_exceptions=True))
 
     async def one_completion(self, model: str, ids: list[int]) -> Sample:
         """One sampled completion with vLLM's logprob of each token (the trainer's importance-ratio denominator)."""
-        resp = await self._post("/v1/completions", self._body(model, ids, 1))
+        resp = await self._post("/v1/completions", self._body(model, ids, 1, self._first_chunk()))
         data = _check_served(model, resp.json())
-        return self._sample(resp, data["choices"][0], data)
+        sample = self._sample(resp, data["choices"][0], data)
+        if self.switch is None:
+            return sample
+        return await self._continued(ids, sample, self.switch.live.version_of(model))
 
-    def _body(self, model: str, ids: list[int], n: int) -> dict[str, Any]:
+    def _first_chunk(self) -> int:
+        size = self.switch.chunk_tokens if self.switch is not None else self.max_completion_length
+        return min(size, self.max_completion_length)
+
+    async def _continued(self, ids: list[int], first: Sample, version: int) -> Sample:
+        """A completion whose first chunk `version` sampled, continued chunk by chunk until it stops or its
+        budget is spent; each continuation's prompt is the prompt plus every token so far (switch.py)."""
+        sw = self.switch
+        assert sw is not None
+        pieces = Pieces()
+        pieces.add(first, version)
+        while pieces.unfinished(self.max_completion_length):
+            nxt = sw.version_for(pieces.version)
+            sw.counted(pieces.version, nxt, len(ids) + len(pieces.ids))
+            model = sw.model_name(nxt)
+            room = min(sw.chunk_tokens, self.max_completion_length - len(pieces.ids))
+            resp = await self._post("/v1/completions", self._body(model, ids + pieces.ids, 1, room))
+            data = _check_served(model, resp.json())
+            chunk = self._sample(resp, data["choices"][0], data)
+            if not chunk.completion_ids and chunk.finish_reason == "length":
+                raise GenerationFailed(f"{model} continued a completion with no token and finish_reason 'length'")
+            pieces.add(chunk, nxt)
+        return pieces.sample()
+
+    def _body(self, model: str, ids: list[int], n: int, max_tokens: int | None = None) -> dict[str, Any]:
         return {
             "model": model,
             "prompt": ids,
-            "max_tokens": self.max_completion_length,
+            "max_tokens": max_tokens or self.max_completion_length,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
             "top_k": self.sampling.top_k,
@@ -149,6 +193,14 @@ class Generator:
             replica=resp.headers.get("x-brigade-replica", ""),
             model=str(data.get("model") or ""),
         )
+
+
+def _all(results: list[Any]) -> list[Sample]:
+    """Every sibling's sample, or the failure to raise once all have ended."""
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:  # any failure but a retired version first: that one is not worth generating the group again
+        raise next((r for r in failed if not isinstance(r, AdapterRetired)), failed[0])
+    return list(results)
 
 
 def _check_served(model: str, data: dict[str, Any]) -> dict[str, Any]:

@@ -79,9 +79,7 @@ class Worker:
         worker_id = settings.worker_id or events.default_writer("rollout")
         self.ev = QueuedEvents(store, "rollout", writer=f"{worker_id}-events")  # appended off the event loop
         self.adapters = LiveAdapter(client, manifest)
-        self.generator = Generator(
-            client, manifest.base_model, self.sampling, settings.max_completion_length, settings.generation_shape
-        )
+        self.generator = Generator.for_settings(client, manifest.base_model, self.sampling, settings, self.adapters)
         self.output = ShardOutput(store, worker_id, settings.groups_per_shard, self.ev)
         self.worker_id = worker_id
         self.scorer = Scorer(

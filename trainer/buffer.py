@@ -24,6 +24,15 @@ log = logging.getLogger("brigade.trainer")
 DropReason = Literal["stale", "newer_than_trainer"]
 
 
+def sampled_versions(group: ScoredGroup) -> tuple[int, int]:
+    """(oldest, newest) version that sampled a token of the group: each span's version, and the group's
+    adapter_version for a sample without spans (one request, or one version on one replica, sampled it all)."""
+    versions = [t.version for s in group.samples for t in (s.turns or ())]
+    if not versions or any(s.turns is None for s in group.samples):
+        versions.append(group.adapter_version)
+    return min(versions), max(versions)
+
+
 class RolloutBuffer:
     def __init__(self, store: Store, max_staleness: int):
         self.store, self.max_staleness = store, max_staleness
@@ -57,20 +66,23 @@ class RolloutBuffer:
         return added
 
     def is_stale(self, group: ScoredGroup, current_version: int) -> bool:
-        # Counted from the group's adapter_version: for an episode, the version its first turn was served by
-        # (bucket/rollouts.py checks each sample's first turn against it), whatever served later turns.
-        # A version newer than the trainer's cannot be in its lineage (bucket/checkpoints.py makes it
-        # impossible after a crash); should one appear anyway it is dropped, never trained.
-        lag = current_version - group.adapter_version
-        return lag > self.max_staleness or lag < 0
+        # Counted per sampled token: a group is trainable when the oldest version that sampled any of its tokens
+        # is inside the window. That is the group's adapter_version (every sample's first span: an episode's
+        # first turn, a switched completion's first chunk; bucket/rollouts.py checks it), as a switch only moves
+        # a completion or episode to a newer version (rollout_worker/switch.py); read from the spans all the same.
+        # A version newer than the trainer's, for any token, cannot be in its lineage (bucket/checkpoints.py
+        # makes it impossible after a crash); should one appear anyway the group is dropped, never trained.
+        oldest, newest = sampled_versions(group)
+        return current_version - oldest > self.max_staleness or newest > current_version
 
     def drop(self, gid: GroupId, group: ScoredGroup, current_version: int) -> None:
-        reason: DropReason = "newer_than_trainer" if group.adapter_version > current_version else "stale"
+        oldest, newest = sampled_versions(group)
+        reason: DropReason = "newer_than_trainer" if newest > current_version else "stale"
         self.dropped.append(gid)
         self.drops[reason] += 1
         log.warning(
-            "group %s dropped (%s): generated with version %d, the trainer is at %d (max_staleness %d)",
-            gid, reason, group.adapter_version, current_version, self.max_staleness,
+            "group %s dropped (%s): generated with versions %d..%d, the trainer is at %d (max_staleness %d)",
+            gid, reason, oldest, newest, current_version, self.max_staleness,
         )  # fmt: skip
 
     def take_drop_counts(self) -> dict[str, int]:

@@ -10,9 +10,11 @@ action given to `step`, whose observation becomes the next user message, until `
 episode's environment reward is the sum of its steps' rewards.
 
 Every turn is a /v1/completions request whose prompt is the episode's token stream (stream.py), under the
-model name the first turn used (one policy per episode) and with the header `X-Session-ID: <episode id>`, the
-key a router keeps an episode's turns on one replica by. Bounds: `max_turns` replies, `max_episode_tokens`
-tokens in the stream (prompt included).
+model name the first turn used (one policy per episode, unless the switch is on) and with the header
+`X-Session-ID: <episode id>`, the key a router keeps an episode's turns on one replica by. With
+`rollout.switch_after` set (rollout_worker/switch.py) a later turn starts under the newest live version when the
+version of the turn before is more than switch_after behind it; each turn's span records its version.
+Bounds: `max_turns` replies, `max_episode_tokens` tokens in the stream (prompt included).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Episode:
     env_reward: float = 0.0
     tool_calls: int = 0
     finish_reason: str | None = None
-    model: str = ""
+    model: str = ""  # the first turn's (the group's version); later turns' versions are in the stream's spans
     env: Any = None  # the instance as it ended, for reward functions' environments= (None when unpicklable)
     error: str = ""
     failed_call: str = ""
@@ -121,7 +123,12 @@ class EpisodeRun:
             if room <= 0:
                 ep.finish_reason = "max_episode_tokens"
                 break
-            sample = await self._complete(ep, stream.tokens, min(self.lim.max_completion_length, room))
+            model = ep.model
+            if turn and self.gen.switch is not None:  # between turns: the next request is a new one anyway
+                before_version, version = version, self.gen.switch.version_for(version)
+                self.gen.switch.counted(before_version, version, len(stream))
+                model = self.gen.switch.model_name(version)
+            sample = await self._complete(ep, stream.tokens, min(self.lim.max_completion_length, room), model)
             stream.add_sampled(sample.completion_ids, sample.logprobs, version, sample.replica)
             reply = {"role": "assistant", "content": sample.text}
             before = list(ep.messages)
@@ -168,10 +175,10 @@ class EpisodeRun:
             return []
         return [{"role": "user", "content": obs}]
 
-    async def _complete(self, ep: Episode, ids: list[int], max_tokens: int) -> Sample:
-        body = {**self.gen._body(ep.model, ids, 1), "max_tokens": max_tokens}
+    async def _complete(self, ep: Episode, ids: list[int], max_tokens: int, model: str) -> Sample:
+        body = self.gen._body(model, ids, 1, max_tokens)
         resp = await self.gen._post("/v1/completions", body, {SESSION_HEADER: ep.episode_id})
-        data = _check_served(ep.model, resp.json())
+        data = _check_served(model, resp.json())
         return self.gen._sample(resp, data["choices"][0], data)
 
 
