@@ -1,6 +1,7 @@
-"""A group of episodes: `num_generations` episodes of one dataset row, one policy version, scored, as one
-ScoredGroup in the shard format every sample has (bucket/rollouts.py: the stream after the prompt, its loss
-mask, each turn's span and version).
+"""A group of episodes: `num_generations` episodes of one dataset row, begun under one policy version (later
+turns under a newer one only with rollout.switch_after: episode.py), scored, as one ScoredGroup in the shard
+format every sample has (bucket/rollouts.py: the stream after the prompt, its loss mask, each turn's span and
+version).
 
 The group's `prompt_ids` are the tokens every episode's stream begins with (the environments' reset may differ
 between instances, e.g. a random target: the rest of each prompt is then the start of that sample's
@@ -81,7 +82,7 @@ class EpisodeGroups:
         self.failed = 0  # episodes ended by their environment
 
     async def group(self, row: dict[str, Any], adapters: LiveAdapter, n: int, extra: dict[str, Any]) -> ScoredGroup:
-        """One row's episodes, all on the version the group started with; again with a newer one if a pool
+        """One row's episodes, all begun on the version the group started with; again with a newer one if a pool
         retired it mid-group (nothing of a retired version is kept)."""
         for attempt in range(1, RETIRED_ATTEMPTS + 1):
             model = adapters.model_name(adapters.version)
