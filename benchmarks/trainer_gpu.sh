@@ -16,6 +16,21 @@ if [ -d .whl ]; then
         >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+# trl's chunked log-prob backward imports trl.trainer.utils for one helper (gather a ZeRO-3-sharded LM head; a
+# null context without DeepSpeed), and that module imports datasets, pandas and accelerate, which the image lacks
+# and which are too big to carry: the helper is given as trl defines it without ZeRO-3.
+mkdir -p /tmp/shim
+cat >/tmp/shim/sitecustomize.py <<'PY'
+import contextlib, sys, types
+try:
+    import trl.trainer.utils  # noqa: F401  (the real one, where its dependencies are installed)
+except ImportError:
+    sys.modules.pop("trl.trainer.utils", None)
+    shim = types.ModuleType("trl.trainer.utils")
+    shim.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+    sys.modules["trl.trainer.utils"] = shim
+PY
+export PYTHONPATH=/tmp/shim:$PYTHONPATH
 
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
@@ -65,6 +80,21 @@ b)
     bench q8b_longtail 200 --shape qwen3-8b --lengths longtail
     bench lora_q_only_longtail 150 "${LT[@]}" --lora-targets q_proj
     bench fresh_longtail 150 "${LT[@]}" --fresh --steps 8
+    ;;
+c)
+    # issue 32 items 4 and 3: masked completions at the unmasked step time; the probe's verdict in bf16
+    python3 -c "import benchmarks.probe_gpu, proxy.adapters.probe, trainer.grpo; print('imports ok')" >>"$LOG" 2>&1
+    bench unmasked_longtail 150 "${LT[@]}"
+    bench masked50_longtail 120 "${LT[@]}" --masked-fraction 0.5
+    run probe_gpu 330 benchmarks.probe_gpu --shape qwen2.5-1.5b --device cuda
+    bench masked50_fixed 90 "${FIX[@]}" --masked-fraction 0.5
+    ;;
+d)
+    # the probe judged against an fp32 canary of the same weights; the fixed shape masked and not
+    run probe_fp32 400 benchmarks.probe_gpu --shape qwen2.5-1.5b --device cuda --reference fp32 --steps 1,8 \
+        --replicas sdpa,eager,alone,trainer_bf16
+    bench unmasked_fixed 110 "${FIX[@]}"
+    bench masked50_fixed 100 "${FIX[@]}" --masked-fraction 0.5
     ;;
 *)
     echo "unknown set $SET" >&2

@@ -81,9 +81,22 @@ def model_classes(family: str) -> tuple[type, type]:
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
 
+def loss_mask(n: int, fraction: float) -> list[int] | None:
+    """A completion's loss mask with `fraction` of its n tokens at 0, as an episode's environment / tool tokens
+    are: one span between two trained turns, so the first and last tokens stay trained (the row keeps every
+    token: the trainer cuts only what follows the last trained one). None for 0 (a single-turn sample)."""
+    k = min(round(fraction * n), n - 2)
+    if fraction <= 0 or k <= 0:
+        return None
+    head = (n - k) // 2
+    return [1] * head + [0] * k + [1] * (n - k - head)
+
+
 def make_groups(args, vocab: int, seed: int = 0) -> list:
     """One step's groups: `fixed` = --prompt-tokens + --completion-tokens for every sample; `longtail` = prompts
-    uniform in 40-200 tokens, completions lognormal(0, 1) x 300 tokens clipped to [16, 2048] (to 512 on CPU)."""
+    uniform in 40-200 tokens, completions lognormal(0, 1) x 300 tokens clipped to [16, 2048] (to 512 on CPU).
+    `args.masked_fraction` (if set) masks that share of each completion (loss_mask); the token ids drawn are the
+    same with or without it, so masked and unmasked runs time the same rows."""
     from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 
     rng = random.Random(seed)
@@ -95,15 +108,18 @@ def make_groups(args, vocab: int, seed: int = 0) -> list:
             lengths = [min(max(int(rng.lognormvariate(0, 1) * 300), 16), cap) for _ in range(args.generations)]
         else:
             p, lengths = args.prompt_tokens, [args.completion_tokens] * args.generations
-        samples = [
-            Sample(
-                completion_ids=[rng.randrange(100, vocab) for _ in range(n)],
-                logprobs=[-2.0] * n,
-                text="",
-                reward=float(k % 2),  # every group has signal (none is skipped)
+        samples = []
+        for k, n in enumerate(lengths):
+            mask = loss_mask(n, getattr(args, "masked_fraction", 0.0))
+            samples.append(
+                Sample(
+                    completion_ids=[rng.randrange(100, vocab) for _ in range(n)],
+                    logprobs=[-2.0] * n if mask is None else [-2.0 if m else 0.0 for m in mask],
+                    loss_mask=mask,
+                    text="",
+                    reward=float(k % 2),  # every group has signal (none is skipped)
+                )
             )
-            for k, n in enumerate(lengths)
-        ]
         groups.append(
             ScoredGroup(
                 prompt_id="b",

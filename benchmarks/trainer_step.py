@@ -2,7 +2,7 @@
 
     python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b|qwen2.5-7b|qwen3-8b]
         [--lengths fixed|longtail] [--device cuda] [--groups N] [--token-budget T] [--no-compile] [--fresh]
-        [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...]
+        [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...] [--masked-fraction F]
 
 Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
 decoder layers compiled on a GPU (`compile`, rank-1 LoRA as fused element-wise work).
@@ -16,6 +16,10 @@ depend on them.
 
 Lengths: `fixed` = --prompt-tokens + --completion-tokens for every sample; `longtail` (seed 0) = prompts
 uniform in 40-200 tokens, completions lognormal(0, 1) x 300 tokens clipped to [16, 2048] (to 512 on CPU).
+`--masked-fraction F`: that share of each completion's tokens get loss mask 0 (one span mid-completion, as an
+episode's environment / tool tokens; benchmarks/trainer_shapes.py loss_mask), on the same token ids: every token
+is still an input, only mask-1 tokens are predicted, so the FLOP count (and MFU's numerator) is unchanged and
+`trained_tokens` says how many were trained.
 `--fresh`: new groups (seed = step number) every step, as a run sees them; the JSON then says how many distinct
 row lengths the run compiled (`row_lengths`) and how long the steps that compiled one took (`compile_steps_s`).
 
@@ -98,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--liger", default="", help="liger-kernel parts: all, or rms_norm,swiglu,rope")
     p.add_argument("--lora-targets", default="", help="comma list of LoRA target modules (default: the run spec's)")
     p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0 = its own)")
+    p.add_argument(
+        "--masked-fraction",
+        type=float,
+        default=0.0,
+        help="share of each completion's tokens with loss mask 0 (environment / tool tokens); 0 = none",
+    )
     args = p.parse_args(argv)
     gpu = args.device.startswith("cuda")
     args.groups = args.groups or (16 if gpu else 4)
@@ -255,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "groups": args.groups,
         "generations": args.generations,
         "tokens": tokens,
+        "masked_fraction": args.masked_fraction,
+        "trained_tokens": sum(s.trained_tokens for g in groups for s in g.samples),
         "token_budget": budget,
         "micro_batches": packed_step.micro_batches,
         "step_s": step_s,
