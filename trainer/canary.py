@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from bucket.canary import Canary
+from trainer.packing import MATMUL_DTYPE_ATTR, causal_lm
 
 log = logging.getLogger("brigade.trainer")
 
@@ -51,9 +52,16 @@ def compute_canary(model: Any) -> Canary:
     targets = torch.tensor(list(completion), device=device)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1, device=device)
 
+    # The matmuls in the dtype the trainer's step runs them in (trainer/packing.py): bf16 base weights and fp32
+    # LoRA weights only multiply under autocast (an uncompiled bf16 model raised a dtype mismatch here, and the
+    # version went unprobed); the log-softmax in fp32.
+    lm = causal_lm(model)
+    dtype = getattr(lm, MATMUL_DTYPE_ATTR, lm.get_output_embeddings().weight.dtype)
+
     def logprobs() -> list[float]:
-        logits = model(input_ids=ids, use_cache=False).logits[0].float()
-        return logits.log_softmax(-1)[positions, targets].tolist()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+        return logits.float().log_softmax(-1)[positions, targets].tolist()
 
     training = model.training
     model.eval()
