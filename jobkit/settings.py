@@ -151,6 +151,9 @@ def to_toml(config: BaseModel) -> str:
     for table, model in config:
         out.append(f"[{table}]")
         for name, value in model.model_dump().items():
+            if value is None:  # TOML has no null: the key is left out (a comment says so) and reads back as unset
+                out.append(f"# {name} unset")
+                continue
             out.append(f"{name} = {json.dumps(value)}")
         out.append("")
     return "\n".join(out)
