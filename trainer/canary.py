@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from bucket.canary import Canary
-from trainer.packing import MATMUL_DTYPE_ATTR, causal_lm
+from trainer.packing import causal_lm
 
 log = logging.getLogger("brigade.trainer")
 
@@ -52,11 +52,12 @@ def compute_canary(model: Any) -> Canary:
     targets = torch.tensor(list(completion), device=device)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1, device=device)
 
-    # The matmuls in the dtype the trainer's step runs them in (trainer/packing.py): bf16 base weights and fp32
-    # LoRA weights only multiply under autocast (an uncompiled bf16 model raised a dtype mismatch here, and the
-    # version went unprobed); the log-softmax in fp32.
-    lm = causal_lm(model)
-    dtype = getattr(lm, MATMUL_DTYPE_ATTR, lm.get_output_embeddings().weight.dtype)
+    # fp32 wherever the base weights are fp32, even when the step multiplies them in bf16 (dtype auto on a CPU
+    # with native bf16): a bf16 canary is mostly the trainer's own rounding, and the probe then could not tell
+    # a young version from the base (the proxy's verdict went inconclusive, CI rehearsal 2026-12-04). Bf16 base
+    # weights leave no choice: they and the fp32 LoRA weights only multiply under autocast (an uncompiled bf16
+    # model raised a dtype mismatch here, and its versions went unprobed).
+    dtype = causal_lm(model).get_output_embeddings().weight.dtype
 
     def logprobs() -> list[float]:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):

@@ -1,4 +1,4 @@
-"""The trainer's canary (trainer/canary.py) is computed under every trainer dtype, as the step's forward is.
+"""The trainer's canary (trainer/canary.py) is computed under every trainer dtype, in fp32 where the weights are.
 
 An uncompiled model with bf16 base weights and fp32 LoRA weights (a GPU trainer with compile = false, or
 `--trainer.dtype bfloat16` on a CPU) raised a dtype mismatch in the canary's forward; `canary_fields` then
@@ -46,3 +46,7 @@ def test_the_canary_is_computed_under_every_dtype_and_agrees_with_fp32(model_dir
     shift = sum(abs(a - b) for a, b in zip(fp32_canary.adapter_logprobs, fp32_canary.base_logprobs))
     noise = sum(abs(a - b) for a, b in zip(c.adapter_logprobs, fp32_canary.adapter_logprobs))
     assert noise < shift / 2, (noise, shift)
+    if dtype == "auto":
+        # fp32 weights give an fp32 canary, even where the step multiplies them in bf16 (auto on a CPU with
+        # native bf16): a canary in bf16 is mostly rounding, and the proxy's probe went inconclusive on it
+        assert c.adapter_logprobs == fp32_canary.adapter_logprobs and c.base_logprobs == fp32_canary.base_logprobs
