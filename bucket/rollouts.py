@@ -144,6 +144,12 @@ class Sample(BaseModel):
         return self.loss_mask if self.loss_mask is not None else [1] * len(self.completion_ids)
 
     @property
+    def is_episode(self) -> bool:
+        """An environment's episode: written with a loss mask (its template, environment and tool tokens are 0).
+        A single reply has none, even when `turns` records an in-flight version switch within it."""
+        return self.loss_mask is not None
+
+    @property
     def trained_tokens(self) -> int:
         """Tokens the trainer trains on (mask 1)."""
         return sum(self.loss_mask) if self.loss_mask is not None else len(self.completion_ids)

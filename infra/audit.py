@@ -106,7 +106,7 @@ def _mixed(
     for gid, g in scored.items():
         v = g.adapter_version
         short = group_size - len(g.samples)
-        episodes = all(s.turns is not None for s in g.samples)
+        episodes = all(s.is_episode for s in g.samples)
         whole = short == 0 or (episodes and 0 < short <= failed[(g.prompt_id, v)])
         known = v == 0 or v in committed
         # the base needs no load; a version, a record of its load on each serving replica before the group
@@ -129,12 +129,13 @@ def _mixed(
 
 
 def episodes(scored: dict[str, ScoredGroup]) -> dict[str, Any]:
-    """An environment run's episodes (samples with `turns`), each checked on its own; all 0 for a single-turn run.
+    """An environment run's episodes (samples with a loss mask), each checked on its own; all 0 for a single-turn
+    run (a single reply split by an in-flight version switch has `turns` too, and is not an episode).
 
     A worker writes an episode only once it ended (its group is written whole, in one shard), so a job killed
     mid-episode leaves nothing of it; these counts say the bucket agrees. Trained twice: an episode is one sample
     of one group, so the ledger's exactly-once count (`groups_trained_twice`) covers it."""
-    eps = [(gid, g, s) for gid, g in scored.items() for s in g.samples if s.turns is not None]
+    eps = [(gid, g, s) for gid, g in scored.items() for s in g.samples if s.is_episode]
     not_tiling, half_done, mixed, moved = [], [], [], 0
     for gid, g, s in eps:
         turns = s.turns or []
@@ -144,7 +145,7 @@ def episodes(scored: dict[str, ScoredGroup]) -> dict[str, Any]:
         if s.loss_mask != inside:  # trained exactly on what the turns sampled; template and tool tokens masked
             not_tiling.append(gid)
         # An episode ends on a reply: context is appended only when another turn follows it.
-        if turns[-1].end != len(s.completion_ids) or s.finish_reason is None:
+        if not turns or turns[-1].end != len(s.completion_ids) or s.finish_reason is None:
             half_done.append(gid)
         if any(t.version != g.adapter_version for t in turns):
             mixed.append(gid)

@@ -90,7 +90,7 @@ def episode_figures(shards: Sequence[ShardRead], evs: Sequence[dict[str, Any]]) 
     """An environment run's episodes (--rollout.environment), from its shards and env_failed events; {} for a
     single-turn run. `episodes` counts the episodes written (one sample each, `turns` set); an episode whose
     environment failed is not written, and is counted in `env_errors` instead."""
-    eps = [(g, s) for read in shards for _, g in read.groups() for s in g.samples if s.turns is not None]
+    eps = [(g, s) for read in shards for _, g in read.groups() for s in g.samples if s.is_episode]
     errors = sum(1 for e in evs if e["kind"] == events.ENV_FAILED)
     if not eps and not errors:
         return {}

@@ -34,8 +34,9 @@ class Episodes:
         self.last_errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=LAST_ERRORS)
 
     def add(self, g: ScoredGroup, s: Sample) -> None:
-        """One sample of a shard; single-turn samples (no `turns`) are not episodes."""
-        if s.turns is None:
+        """One sample of a shard; single replies (no loss mask; `turns` only when a version switch split one)
+        are not episodes."""
+        if not s.is_episode or s.turns is None:
             return
         self.count += 1
         self.turns[len(s.turns)] += 1

@@ -14,8 +14,9 @@ from rich.console import Console
 
 from bucket import events
 from bucket.manifest import RunSpec, init_or_check
-from bucket.rollouts import Sample, ShardWriter
+from bucket.rollouts import Sample, ShardWriter, Turn
 from bucket.store import Store
+from infra import audit
 from infra.dashboard import page, terminal
 from infra.dashboard.data import RunData
 from infra.dashboard.server import Dashboard
@@ -107,3 +108,24 @@ def test_a_single_turn_run_shows_no_episodes(tmp_path):
     console = Console(record=True, width=400)
     console.print(terminal.render(dash.data))
     assert "env errors" not in console.export_text()
+
+
+def test_a_reply_split_by_a_version_switch_is_not_an_episode(tmp_path):
+    """With --rollout.switch-after a single reply can carry `turns` (one span per version that sampled it) but
+    no loss mask: the summary, the dashboard and the audit count no episode of it (rollout_worker/switch.py)."""
+    store = Store(str(tmp_path / "b"))
+    store.check_reachable(create=True)
+    init_or_check(store, RunSpec(num_generations=2), "test")
+    switched = Sample(
+        completion_ids=[1, 2, 3, 4],
+        logprobs=[-0.1, -0.2, -0.3, -0.4],
+        turns=[Turn(start=0, end=2, version=0, replica="r0"), Turn(start=2, end=4, version=1, replica="r0")],
+        text="4",
+        reward=1.0,
+        replica="r0",
+    )
+    assert not switched.is_episode
+    ShardWriter(store, "rollout-0").write([group("p", [switched, switched])])
+    dash = Dashboard(store)
+    assert not set(EPISODE_KEYS) & set(_api(dash, "/api/summary")) and _api(dash, "/api/episodes") == {}
+    assert audit.episodes({"s#0": group("p", [switched, switched])})["episodes"] == 0
