@@ -57,6 +57,16 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) is list
 
 
+def _hint(annotation: Any, default: Any) -> str:
+    """A flag's metavar: what kind of value it takes (for an unset optional, the type it takes when set)."""
+    if _is_list(annotation):
+        return "comma-separated"
+    if default is None:
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return getattr(kinds[0], "__name__", "value") if len(kinds) == 1 else "value"
+    return type(default).__name__
+
+
 def add_flags(
     parser: argparse.ArgumentParser,
     model: type[BaseModel],
@@ -80,14 +90,15 @@ def add_flags(
             if chosen is not None and name not in chosen:
                 continue
             default = field.get_default(call_default_factory=True)
-            hint = "comma-separated" if _is_list(field.annotation) else type(default).__name__
+            hint = _hint(field.annotation, default)
+            shown = "unset" if default is None else json.dumps(default)
             group.add_argument(
                 *dict.fromkeys((f"--{table}.{name.replace('_', '-')}", f"--{table}.{name}")),  # one if no `_`
                 dest=f"{table}.{name}",
                 metavar=hint.upper(),
                 default=None,
                 # argparse formats help with %: a literal one (a description's "35 %") must be doubled
-                help=f"{field.description} (default: {json.dumps(default)})".replace("%", "%%"),
+                help=f"{field.description} (default: {shown})".replace("%", "%%"),
             )
 
 

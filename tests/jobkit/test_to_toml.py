@@ -18,3 +18,15 @@ def test_the_default_config_and_a_set_optional_round_trip(tmp_path):
         path.write_text(text)
         assert load(path=str(path)) == config, overrides
     assert "# switch_after unset" in to_toml(load(overrides={"bucket.url": str(tmp_path / "b")}))
+
+
+def test_an_unset_optional_flag_says_its_type_and_unset():
+    import argparse
+
+    from infra.config import add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ["rollout"])
+    help_text = parser.format_help()
+    assert "--rollout.switch-after INT" in help_text and "NONETYPE" not in help_text
+    assert "(default: unset)" in help_text and "(default: null)" not in help_text
