@@ -24,13 +24,7 @@ from trainer.buffer import RolloutBuffer
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
 from trainer.packing import pack
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _episode(rng: random.Random, version: int) -> Sample:

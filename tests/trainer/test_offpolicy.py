@@ -26,13 +26,7 @@ from trainer.grpo import LossConfig, accumulate, advantages, completions, metric
 from trainer.offpolicy import sequence_geo_ratio
 from trainer.packing import pack
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tokens(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
