@@ -131,6 +131,7 @@ class Worker:
             "waiting": int(self.waiting_for_trainer),
             "paced": int(self.paced),
             "retries": dict(self.generator.retries),
+            "switch": dict(self.generator.switch.counts) if self.generator.switch else {},
             "shards": self.output.shards_written,
         }
 

@@ -56,6 +56,21 @@ class _Live(ScrapeCollector):
         for reason, n in v["retries"].items():
             retries.add_metric([reason], n)
         yield retries
+        # the in-flight version switch (rollout.switch_after; rollout_worker/switch.py): absent while it is off
+        for key, name, doc in SWITCH_COUNTERS:
+            if key in v.get("switch", {}):
+                yield CounterMetricFamily(f"brigade_rollout_{name}", doc, value=v["switch"][key])
+
+
+SWITCH_COUNTERS = (
+    ("continued", "switch_continuations", "Completions continued as a new request at a chunk boundary."),
+    ("switched", "switch_switches", "Continuations under a newer version than the one that sampled the chunk before."),
+    (
+        "reprefill_tokens",
+        "switch_reprefill_tokens",
+        "Context tokens (prompt and tokens so far) a switch made a replica compute again under the new adapter.",
+    ),
+)
 
 
 class RolloutMetrics(ServedMetrics):

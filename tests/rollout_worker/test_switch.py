@@ -28,6 +28,7 @@ from rollout_worker.environments.host import EnvProcess
 from rollout_worker.environments.stream import Renderer
 from rollout_worker.generation import Generator
 from rollout_worker.live_adapter import LiveAdapter
+from rollout_worker.metrics import RolloutMetrics
 from rollout_worker.switch import Pieces, Switch
 
 MANIFEST = RunManifest(**RunSpec(num_generations=3).model_dump(), run_id="r", created_at=0.0)
@@ -266,3 +267,17 @@ def test_an_episode_starts_a_later_turn_under_the_newest_version():
     sampled = [i for t in s.turns for i in range(t.start, t.end)]
     assert [s.logprobs[i] for i in sampled] == [-1, -1.5, -3, -3.5, -3, -3.5]
     assert [i for i, m in enumerate(s.mask) if m] == sampled
+
+
+def test_the_switch_counts_are_exported_as_metrics_and_absent_while_it_is_off():
+    gen, _ = generator(switch_after=1, shape="n_group", bump={1: 3})
+    asyncio.run(gen.completions(name(1), PROMPT, 3))
+    metrics = RolloutMetrics()
+    live = {"version": 1, "inflight": 0, "unconsumed": 0, "waiting": 0, "paced": 0, "retries": {}, "shards": 0}
+    metrics.live.source = lambda: {**live, "switch": dict(gen.switch.counts)}
+    value = metrics.registry.get_sample_value
+    assert value("brigade_rollout_switch_switches_total") == gen.switch.counts["switched"] == 3
+    assert value("brigade_rollout_switch_continuations_total") == gen.switch.counts["continued"] > 0
+    assert value("brigade_rollout_switch_reprefill_tokens_total") == 3 * (3 + 4)
+    metrics.live.source = lambda: {**live, "switch": {}}
+    assert value("brigade_rollout_switch_switches_total") is None
