@@ -96,6 +96,11 @@ d)
     bench unmasked_fixed 110 "${FIX[@]}"
     bench masked50_fixed 100 "${FIX[@]}" --masked-fraction 0.5
     ;;
+e)
+    # the trainer's canary in fp32 on bf16 weights (trainer/canary.py _fp32_weights), judged as the proxy judges
+    run probe_canary_fp32 240 benchmarks.probe_gpu --shape qwen2.5-1.5b --device cuda --steps 1,8 --logit-scales 1 \
+        --replicas sdpa,eager --long-canary 0
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

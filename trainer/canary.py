@@ -5,15 +5,16 @@ Called by `Trainer.publish`; the result goes into the version's commit marker.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from bucket.canary import Canary
-from trainer.packing import causal_lm
 
 log = logging.getLogger("brigade.trainer")
 
@@ -52,29 +53,63 @@ def compute_canary(model: Any) -> Canary:
     targets = torch.tensor(list(completion), device=device)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1, device=device)
 
-    # fp32 wherever the base weights are fp32, even when the step multiplies them in bf16 (dtype auto on a CPU
-    # with native bf16): a bf16 canary is mostly the trainer's own rounding, and the probe then could not tell
-    # a young version from the base (the proxy's verdict went inconclusive, CI rehearsal 2026-12-04). Bf16 base
-    # weights leave no choice: they and the fp32 LoRA weights only multiply under autocast (an uncompiled bf16
-    # model raised a dtype mismatch here, and its versions went unprobed).
-    dtype = causal_lm(model).get_output_embeddings().weight.dtype
-
+    # In fp32 whatever the weights' dtype: a canary in bf16 is mostly the trainer's own rounding, and the probe
+    # cannot tell a young version from the base on it (a bf16 canary left the proxy's verdict inconclusive on CPU
+    # replicas, and wrong on emulated GPU bf16 replicas: docs/trainer-gpu.md). Bf16 weights are upcast one
+    # module at a time for the canary's one sequence (_fp32_weights), so no fp32 copy of the model is held.
     def logprobs() -> list[float]:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=ids, use_cache=False).logits[0]
+        logits = model(input_ids=ids, use_cache=False).logits[0]
         return logits.float().log_softmax(-1)[positions, targets].tolist()
 
+    lowp = any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters())
     training = model.training
     model.eval()
     try:
-        adapter = logprobs()
-        with model.disable_adapter():
-            base = logprobs()
+        with _fp32_weights(model) if lowp else contextlib.nullcontext():
+            adapter = logprobs()
+            with model.disable_adapter():
+                base = logprobs()
     finally:
         model.train(training)
     return Canary(
         prompt_ids=list(prompt), completion_ids=list(completion), adapter_logprobs=adapter, base_logprobs=base
     )
+
+
+@contextlib.contextmanager
+def _fp32_weights(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` in fp32 with low-precision weights: each module holding such parameters has them upcast for its
+    own forward and put back after it (the same tensors, untouched); compiled layers run eagerly meanwhile
+    (trainer/model.py compiles them for bf16 rows of fixed lengths; the canary is neither)."""
+    hooks, compiled = [], []
+
+    def upcast(module: torch.nn.Module, _args: Any) -> None:
+        saved = {}
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                saved[name] = p.data
+                p.data = p.data.float()
+        module._brigade_saved = saved  # type: ignore[assignment]
+
+    def restore(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        for name, data in module.__dict__.pop("_brigade_saved", {}).items():
+            getattr(module, name).data = data
+
+    try:
+        for m in model.modules():
+            if getattr(m, "_compiled_call_impl", None) is not None:
+                compiled.append((m, m._compiled_call_impl))
+                m._compiled_call_impl = None
+            if any(p.is_floating_point() and p.dtype != torch.float32 for p in m.parameters(recurse=False)):
+                hooks += [m.register_forward_pre_hook(upcast), m.register_forward_hook(restore)]
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, impl in compiled:
+            m._compiled_call_impl = impl
+        for m in model.modules():  # a forward that raised between the two hooks
+            restore(m, None, None)
 
 
 def canary_fields(model: Any) -> dict[str, Any]:
