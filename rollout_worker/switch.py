@@ -44,8 +44,8 @@ class Switch:
     after: int  # a sampling version more than this many behind the newest live one is switched to the newest
     chunk_tokens: int  # tokens a request asks for at most: the points where a completion may switch
     live: Live
-    # Counts for the log and tests: continuation requests, how many of them switched version, and the prompt
-    # tokens a switch sends under a version that has not seen them (the re-prefill the switch costs).
+    # Continuation requests, how many of them switched version, and the prompt tokens a switch sends under a
+    # version that has not seen them (the re-prefill it costs): exported as brigade_rollout_switch_* metrics.
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def version_for(self, current: int) -> int:

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from trainer.config import TrainerConfig
 from trainer.schedule import lr_at
@@ -26,7 +27,7 @@ def test_warmup_rises_from_zero_then_the_shape_runs_over_the_rest():
 
 def test_a_bad_setting_is_refused_with_its_name():
     # pydantic names the field; the CLI prints it as a config error (bucket/config.py)
-    with pytest.raises(Exception, match="lr_scheduler_type"):
+    with pytest.raises(ValidationError, match="lr_scheduler_type"):
         TrainerConfig(lr_scheduler_type="exponential")
-    with pytest.raises(Exception, match="warmup_ratio"):
+    with pytest.raises(ValidationError, match="warmup_ratio"):
         TrainerConfig(warmup_ratio=1.0)
