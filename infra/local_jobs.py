@@ -250,6 +250,10 @@ class LocalJobs:
 
 def run_jobs(local: LocalJobs) -> tuple[Ending, int]:
     """Start the replicas, the proxy, then train; stop every job however that ends. (how it ended, exit code)."""
+    # SIGINT is set, not inherited: a process started in the background by a non-interactive shell (a script's
+    # `&`, a CI runner's step) inherits SIGINT ignored, and Python then leaves it ignored, so Ctrl-C or `kill
+    # -INT` did nothing and the run trained on to its end (a loop of tests/infra/test_local_interrupt.py).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_interrupt)
     ending, code = Ending(), 0
     try:

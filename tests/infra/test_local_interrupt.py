@@ -93,8 +93,12 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, model_dir):
         str(host_timeout(600)),
     )
     term = _Terminal()
+    # Started with SIGINT ignored, as a non-interactive shell starts a background job (a script's `&`, a CI
+    # runner): Python keeps an inherited SIG_IGN, so unless brigade local sets its own handler, Ctrl-C does
+    # nothing and the run trains on to its end. Set here so the test does not depend on how pytest was started.
+    ignoring = ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdin=term.slave, stdout=term.slave, stderr=term.slave, start_new_session=True
+        ignoring, cwd=REPO_ROOT, stdin=term.slave, stdout=term.slave, stderr=term.slave, start_new_session=True
     )
     tree = ProcessTree(proc.pid)
     store = Store(str(bucket))
