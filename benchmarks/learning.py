@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                 "groups_trained": s.get("groups_trained"),
                 "groups_skipped_zero_variance": s.get("groups_skipped_zero_variance"),
                 "groups_dropped_stale": s.get("groups_dropped_stale"),
+                # the run by quarters of its steps (infra/summary_phases.py): reward, equal-reward share,
+                # entropy, ratio and clipping, learning rate, completion length, curriculum level, held-out
+                "phases": s.get("phases"),
                 # an environment run's episodes (absent for single-turn tasks)
                 **{k: s[k] for k in ("episodes", "turns_mean", "env_errors", "episode_tokens_mean") if k in s},
                 "load_avg_before": before,

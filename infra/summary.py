@@ -21,6 +21,7 @@ from infra.best_version import best_figures, best_line
 from infra.config import Config
 from infra.summary_lengths import drops_by_reason, length_figures
 from infra.summary_lengths import lines as length_lines
+from infra.summary_phases import phase_figures
 
 
 def accuracy_curve(evals: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
@@ -151,7 +152,10 @@ def summarize(store: Store) -> dict[str, Any]:
         reward_failures=sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
         first_ts=evs[0]["ts"] if evs else None,
     )
-    return figures | episode_figures(shards, evs) | length_figures(shards, lineage)
+    phases = phase_figures(
+        steps, [e for e in evs if e["kind"] == events.CURRICULUM], [e for e in evs if e["kind"] == events.EVAL]
+    )
+    return figures | episode_figures(shards, evs) | length_figures(shards, lineage) | phases
 
 
 def run_figures(

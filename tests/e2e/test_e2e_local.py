@@ -107,3 +107,29 @@ def test_held_out_accuracy_of_the_base_and_the_final_version(local_run):
     run_dir = store.root.rsplit("/", 1)[0]
     with open(f"{run_dir}/accuracy.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_summary_cuts_the_run_into_phases_from_its_own_records(local_run):
+    _, store = local_run
+    s = summarize(store)
+    steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
+    phases = s["phases"]
+    assert 1 <= len(phases) <= 4
+    # consecutive and together every step, first to last
+    assert phases[0]["steps"][0] == min(e["step"] for e in steps)
+    assert phases[-1]["steps"][1] == max(e["step"] for e in steps)
+    assert all(a["steps"][1] + 1 == b["steps"][0] for a, b in zip(phases, phases[1:]))
+    for p in phases:
+        part = [e for e in steps if p["steps"][0] <= e["step"] <= p["steps"][1]]
+        assert p["reward"] == round(sum(e["reward"] for e in part) / len(part), 4)
+        assert p["learning_rate"] == 1e-3  # the default constant schedule
+        assert 0.0 <= p["frac_reward_zero_std"] <= 1.0
+        # the token means are of the steps that trained tokens (none when every group had equal rewards)
+        trained = [e for e in part if e["tokens"]]
+        assert p["steps_trained"] == len(trained)
+        assert (p["entropy"] is None) == (not trained) and (p["entropy"] is None or p["entropy"] > 0)
+        # the trained completions are at most the run's 8 tokens
+        assert p["completion_tokens_mean"] is None or 0 < p["completion_tokens_mean"] <= 8
+    # the base model's evaluation opens the first phase, the final version's closes the last
+    assert phases[0]["held_out"][0][0] == 0
+    assert phases[-1]["held_out"][-1][0] == s["final_accuracy_version"]
