@@ -26,6 +26,7 @@ from infra.dashboard.episodes import Episodes
 from infra.dashboard.heartbeats import Heartbeats
 from infra.summary import run_figures
 from infra.summary_lengths import group_lengths, lengths_figures
+from infra.summary_phases import phase_figures
 from infra.timeline import VERSION_KINDS, Timeline, VersionSync
 
 log = logging.getLogger("brigade.dashboard")
@@ -103,6 +104,7 @@ class RunData:
         self.routing: list[dict[str, Any]] = []  # the proxy's routing snapshots
         self.scaling: list[dict[str, Any]] = []  # the proxy's desired replica count, as it or the serving one moved
         self.evals: list[dict[str, Any]] = []  # held-out accuracy per evaluated version, by ts
+        self.curriculum: list[dict[str, Any]] = []  # curriculum_level events (the summary's phases)
         self.eval_skips: list[dict[str, Any]] = []  # versions that came due while an evaluation ran
         self.reward_failures = 0
         self.group_lengths: dict[str, list[int]] = {}  # sampled tokens per completion, by group (summary_lengths)
@@ -164,6 +166,8 @@ class RunData:
             self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
             kind = str(e.get("kind", ""))
             self.kinds[kind] += 1
+            if kind == events.CURRICULUM:  # read for the summary's phases, wherever else the kind goes
+                self.curriculum.append(e)
             if kind == events.EVAL:
                 bisect.insort(self.evals, e, key=lambda x: x["ts"])
             elif kind == events.EVAL_SKIPPED:
@@ -311,4 +315,5 @@ class RunData:
             first_ts=self.first_ts,
         )
         # as `brigade summary`: episodes absent for a single-turn run
-        return figures | self.episodes.figures() | lengths_figures(self.group_lengths, self.lineage)
+        phases = phase_figures(self.steps, self.curriculum, self.evals)
+        return figures | self.episodes.figures() | lengths_figures(self.group_lengths, self.lineage) | phases

@@ -354,6 +354,8 @@ def test_page_shows_the_summary_and_the_banner_it_implies(local_run, chromium, t
     ref = summarize(store)
     shown = {k: v for k, (v, _) in dom.metrics.items()}
     for key, value in ref.items():
+        if key == "phases":  # a table in /api/summary (checked above), not drawn on the page yet
+            continue
         if key == "versions":
             for v in value:
                 for field in ("step", "commit_to_all_loaded_s", "fanout_s", "replicas_loaded"):
