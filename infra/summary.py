@@ -139,6 +139,7 @@ def summarize(store: Store) -> dict[str, Any]:
         )
     shards = read_shards(store, {})
     lineage = checkpoints.lineage(store)
+    evals = [e for e in evs if e["kind"] == events.EVAL]
     figures = run_figures(
         steps,
         versions,
@@ -147,14 +148,12 @@ def summarize(store: Store) -> dict[str, Any]:
         groups_written=sum(len(s.shard.groups) for s in shards if s.shard),
         lineage=lineage,
         done=read_done(store) is not None,
-        evals=[e for e in evs if e["kind"] == events.EVAL],
+        evals=evals,
         eval_skips=[e for e in evs if e["kind"] == events.EVAL_SKIPPED],
         reward_failures=sum(1 for e in evs if e["kind"] == events.REWARD_FAILED),
         first_ts=evs[0]["ts"] if evs else None,
     )
-    phases = phase_figures(
-        steps, [e for e in evs if e["kind"] == events.CURRICULUM], [e for e in evs if e["kind"] == events.EVAL]
-    )
+    phases = phase_figures(steps, [e for e in evs if e["kind"] == events.CURRICULUM], evals)
     return figures | episode_figures(shards, evs) | length_figures(shards, lineage) | phases
 
 

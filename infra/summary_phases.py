@@ -47,7 +47,7 @@ def phase_figures(
     moves = sorted(curriculum, key=lambda e: e.get("version", 0))
     done = sorted((e for e in evals if not e.get("partial")), key=lambda e: e["version"])
     out = []
-    first_version = 0
+    first_version = -1  # the first phase also takes the base model's evaluation (version 0)
     for i, (lo, hi) in enumerate(bounds):
         part = steps[lo:hi]
         # the last phase also takes the versions published after its last step's event (the final one)
@@ -68,6 +68,4 @@ def phase_figures(
         ] or None
         first_version = last_version
         out.append(row)
-    if done and done[0]["version"] == 0 and out:  # the base model's evaluation belongs before the first step
-        out[0]["held_out"] = [[0, round(done[0]["accuracy"], 4)], *(out[0]["held_out"] or [])]
     return {"phases": out}
