@@ -1,12 +1,12 @@
 """Check: a fused path's loss and LoRA gradients against the trainer's own path, on one GPU, in bf16.
 
-    python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all]
+    python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all] [--fused-mlp]
 
 The same random weights (and a random, non-zero LoRA B, so that every LoRA gradient is non-zero) run one
 long-tail step's rows three ways: the trainer's default (layers compiled), the same eager, and the candidate
-(`--liger` parts, compiled). bf16 rounding makes any two kernel orders differ a little; the candidate passes
-when it is no farther from the default than the eager path is (x `--slack`), and its gradients point the same
-way (cosine >= 0.999). The last line is one JSON object.
+(`--liger` parts and / or `--fused-mlp`, compiled). bf16 rounding makes any two kernel orders differ a little;
+the candidate passes when it is no farther from the default than the eager path is (x `--slack`), and its
+gradients point the same way (cosine >= 0.999). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from benchmarks.trainer_liger import apply_liger, parse_parts
 from benchmarks.trainer_shapes import SHAPES, make_groups, model_classes
 
 
-def run_path(args, liger: str, compile_: bool) -> tuple[float, dict]:
+def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False) -> tuple[float, dict]:
     import torch
 
     from bucket.manifest import RunSpec
     from trainer.grpo import LossConfig, accumulate, advantages, completions
-    from trainer.model import compile_layers, wrap_lora
+    from trainer.model import compile_layers, fuse_lora_mlps, wrap_lora
     from trainer.packing import PACKED_ATTENTION, build, row_quantum, rows, set_matmul_dtype
 
     family, shape = SHAPES[args.shape]
@@ -41,6 +41,8 @@ def run_path(args, liger: str, compile_: bool) -> tuple[float, dict]:
         if "lora_B" in name:  # peft starts B at zero, which would leave every A gradient zero
             p.data.copy_(torch.randn(p.shape, generator=gen) * 1e-2)
     apply_liger(model, parse_parts(liger))
+    if fused_mlp:
+        fuse_lora_mlps(model)
     if compile_:
         compile_layers(model)
     budget = args.token_budget
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--liger", default="all")
+    p.add_argument("--liger", default="", help="the candidate's liger parts (benchmarks/trainer_liger.py)")
+    p.add_argument("--fused-mlp", action="store_true", help="the candidate runs trainer/kernels/swiglu_lora.py")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=8192)
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     default = run_path(args, "", True)
     eager = compare(default, run_path(args, "", False))
-    fused = compare(default, run_path(args, args.liger, True))
+    fused = compare(default, run_path(args, args.liger, True, args.fused_mlp))
     ok = (
         fused["grad_cosine"] >= 0.999
         and fused["grad_rel_diff"] <= args.slack * max(eager["grad_rel_diff"], 1e-3)
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": args.shape,
         "layers": args.layers,
         "liger": args.liger,
+        "fused_mlp": args.fused_mlp,
         "loss": default[0],
         "eager_vs_default": eager,
         "fused_vs_default": fused,

@@ -101,6 +101,41 @@ e)
     run probe_canary_fp32 240 benchmarks.probe_gpu --shape qwen2.5-1.5b --device cuda --steps 1,8 --logit-scales 1 \
         --replicas sdpa,eager --long-canary 0
     ;;
+f)
+    # the SwiGLU + rank-1 LoRA op (trainer/kernels/swiglu_lora.py): equality first, then speed beside the baseline
+    run fused_mlp_check 120 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp
+    bench fused_longtail 170 "${LT[@]}" --fused-mlp on --profile "$OUT/prof_longtail_fused.txt"
+    bench base_longtail 150 "${LT[@]}"
+    bench fused_fixed 120 "${FIX[@]}" --fused-mlp on
+    ;;
+g)
+    # the op's tiles swept alone, then the step with the fastest ones
+    run fused_mlp_check 120 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp
+    run swiglu_sweep 240 benchmarks.swiglu_kernel
+    TILES=$(python3 -c "
+import json
+r = [json.loads(l) for l in open('$OUT/results.jsonl') if '\"swiglu_sweep\"' in l][-1]['result']['rows']
+row = r.get('16384') or next(iter(r.values()))
+print('/'.join(','.join(map(str, row['best_' + k]['tile'])) for k in ('forward', 'backward')))
+" 2>>"$LOG")
+    echo "tiles: $TILES" >>"$LOG"
+    bench fused_longtail 120 "${LT[@]}" --fused-mlp on ${TILES:+--swiglu-tiles $TILES} --profile "$OUT/prof_longtail_fused.txt"
+    bench fused_fixed 100 "${FIX[@]}" --fused-mlp on ${TILES:+--swiglu-tiles $TILES}
+    bench base_longtail 100 "${LT[@]}"
+    ;;
+h)
+    # flex attention's kernel options on one row; the fused op's equality; the fixed shape's baseline
+    run flex_sweep 270 benchmarks.flex_sweep
+    run fused_mlp_check 200 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp
+    bench base_fixed 100 "${FIX[@]}"
+    ;;
+i)
+    # the backward-only flex options, then the step with the fused MLP and them
+    run flex_sweep_bwd 150 benchmarks.flex_sweep --sets 0,4,7,8,9
+    bench fused_flex_longtail 110 "${LT[@]}" --fused-mlp on \
+        --flex-options '{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}'
+    bench fused_longtail 90 "${LT[@]}" --fused-mlp on
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

@@ -3,6 +3,7 @@
     python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b|qwen2.5-7b|qwen3-8b]
         [--lengths fixed|longtail] [--device cuda] [--groups N] [--token-budget T] [--no-compile] [--fresh]
         [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...] [--masked-fraction F]
+        [--fused-mlp auto|on|off] [--swiglu-tiles R,C,W/R,C,W] [--flex-options JSON]
 
 Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
 decoder layers compiled on a GPU (`compile`, rank-1 LoRA as fused element-wise work).
@@ -59,6 +60,14 @@ def fsdp2_shard(model) -> None:
     fully_shard(inner, mp_policy=mp, ignored_params={inner.embed_tokens.weight})
 
 
+def swiglu_tiles() -> dict | None:
+    if "trainer.kernels.swiglu_lora" not in sys.modules:
+        return None
+    from trainer.kernels.swiglu_lora import CONFIG, WAVES
+
+    return {**CONFIG, "waves": WAVES}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
@@ -100,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="", help="write a torch.profiler table of one packed step to this file")
     p.add_argument("--fresh", action="store_true", help="new groups every step (seed = step number)")
     p.add_argument("--liger", default="", help="liger-kernel parts: all, or rms_norm,swiglu,rope")
+    p.add_argument(
+        "--fused-mlp",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run the SwiGLU MLP and its rank-1 LoRA terms as one op (trainer/kernels/swiglu_lora.py); auto: as "
+        "the trainer, where the layers are compiled",
+    )
+    p.add_argument(
+        "--swiglu-tiles",
+        default="",
+        help="the fused MLP's tiles as rows,cols,warps/rows,cols,warps (forward/backward; default: the kernel's)",
+    )
+    p.add_argument("--flex-options", default="", help="flex attention's kernel_options as JSON (default: flex's)")
     p.add_argument("--lora-targets", default="", help="comma list of LoRA target modules (default: the run spec's)")
     p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0 = its own)")
     p.add_argument(
@@ -121,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.model import (
         compile_layers,
         default_token_budget,
+        fuse_lora_mlps,
         resolve_dtype,
         resolve_matmul_dtype,
         use_rank1_lora,
@@ -149,9 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     set_matmul_dtype(model, matmul_dtype)
     if args.peft_lora:
         use_rank1_lora(model, False)
+    args.compile = gpu if args.compile is None else args.compile and gpu  # as the trainer: cuda only
+    fused = args.fused_mlp == "on" or (args.fused_mlp == "auto" and args.compile)
+    fused_mlps = fuse_lora_mlps(model) if fused else 0
+    if args.flex_options:
+        import trainer.packing
+
+        trainer.packing.FLEX_KERNEL_OPTIONS = json.loads(args.flex_options)
+    if args.swiglu_tiles:
+        from trainer.kernels import swiglu_lora
+
+        for kind, tile in zip(("forward", "backward"), args.swiglu_tiles.split("/")):
+            swiglu_lora.CONFIG[kind] = tuple(int(v) for v in tile.split(","))
     if dp.world > 1 and args.dp == "fsdp2":
         fsdp2_shard(model)
-    args.compile = gpu if args.compile is None else args.compile and gpu  # as the trainer: cuda only
     if args.compile:
         compile_layers(model)
     budget = args.token_budget or default_token_budget(model, device)
@@ -282,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         "compile_steps_s": compile_steps,
         "row_lengths": sorted(row_lengths),
         "liger": list(liger_parts),
+        "fused_mlps": fused_mlps,
+        "flex_options": json.loads(args.flex_options) if args.flex_options else None,
+        "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,
         "reference_mfu": step_flops / (ref_s * PEAK_FLOPS) if gpu and ref_s else None,

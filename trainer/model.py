@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import tempfile
+import types
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from bucket import adapters
 from bucket.config import ConfigError
 from bucket.manifest import RunManifest, RunSpec
 from jobkit.cpu import native_bf16
+from trainer.kernels.swiglu_lora import swiglu_lora
 from trainer.packing import PACKED_ATTENTION, causal_lm, set_matmul_dtype
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -134,24 +136,29 @@ class Rank1LoraLinear(LoraLinear):
     The parameters, their names and what is saved are peft's (the class only replaces `forward`); anything else
     (rank > 1, adapter disabled, merged, dropout, variants, extra arguments) runs peft's own forward."""
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or self.disable_adapters or self.merged or getattr(self, "lora_variant", None):
-            return super().forward(x, *args, **kwargs)
+    def rank1(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(a [in], b [out], scaling) of the one active rank-1 adapter, or None where peft's forward must run."""
+        if self.disable_adapters or self.merged or getattr(self, "lora_variant", None):
+            return None
         active = [n for n in self.active_adapters if n in self.lora_A]
         if len(active) != 1 or not isinstance(self.lora_dropout[active[0]], torch.nn.Identity):
-            return super().forward(x, *args, **kwargs)
+            return None
         a, b = self.lora_A[active[0]].weight, self.lora_B[active[0]].weight  # [1, in], [out, 1]
-        if a.shape[0] != 1:
+        return (a[0], b[:, 0], self.scaling[active[0]]) if a.shape[0] == 1 else None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        factors = None if args or kwargs else self.rank1()
+        if factors is None:
             return super().forward(x, *args, **kwargs)
-        scaling = self.scaling[active[0]]
+        a, b, scaling = factors
         result = self.base_layer(x)
         if torch.compiler.is_compiling():
             # products in x's dtype (bf16 on a GPU, as peft's matmuls under autocast), sums accumulated in fp32;
             # only x is kept for the backward, not an fp32 copy of it
-            m = (x * a[0].to(x.dtype)).sum(-1, keepdim=True, dtype=torch.float32)  # [..., 1]
-            return result + (m * scaling).to(result.dtype) * b[:, 0].to(result.dtype)
-        m = F.linear(x, a).reshape(-1, 1)  # [N, 1]
-        out = torch.addmm(result.reshape(-1, result.shape[-1]), m, b.t(), alpha=scaling)
+            m = (x * a.to(x.dtype)).sum(-1, keepdim=True, dtype=torch.float32)  # [..., 1]
+            return result + (m * scaling).to(result.dtype) * b.to(result.dtype)
+        m = F.linear(x, a[None]).reshape(-1, 1)  # [N, 1]
+        out = torch.addmm(result.reshape(-1, result.shape[-1]), m, b[None], alpha=scaling)
         return out.view(result.shape)
 
 
@@ -160,6 +167,35 @@ def use_rank1_lora(model: torch.nn.Module, on: bool = True) -> None:
     for m in model.modules():
         if type(m) is (LoraLinear if on else Rank1LoraLinear):
             m.__class__ = Rank1LoraLinear if on else LoraLinear
+
+
+def fuse_lora_mlps(model: torch.nn.Module) -> int:
+    """Run each SwiGLU MLP whose gate, up and down projections are rank-1 LoRA layers as one op
+    (trainer/kernels/swiglu_lora.py: its backward one pass over the [N, intermediate] tensors instead of inductor's
+    many). Returns how many MLPs were fused. The parameters and what is saved do not change."""
+    fused = 0
+    for mlp in model.modules():
+        parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+        if silu and all(type(p) is Rank1LoraLinear for p in parts):
+            mlp.forward = types.MethodType(_fused_mlp_forward, mlp)
+            fused += 1
+    return fused
+
+
+def _fused_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    factors = gate.rank1(), up.rank1(), down.rank1()
+    if any(f is None for f in factors):  # adapter disabled or merged: the MLP as transformers writes it
+        return down(mlp.act_fn(gate(x)) * up(x))
+    (ag, bg, sg), (au, bu, su), (ad, bd, sd) = factors
+    x2 = x.reshape(-1, x.shape[-1])
+    mg = (x2 * ag.to(x2.dtype)).sum(-1, dtype=torch.float32) * sg  # [N]: the scaled LoRA inputs, fp32 sums
+    mu = (x2 * au.to(x2.dtype)).sum(-1, dtype=torch.float32) * su
+    h, hd = swiglu_lora(gate.base_layer(x2), up.base_layer(x2), mg, mu, bg, bu, ad)
+    out = down.base_layer(h)
+    out = out + (hd * sd).to(out.dtype)[:, None] * bd.to(out.dtype)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def compile_layers(model: PeftModel) -> None:

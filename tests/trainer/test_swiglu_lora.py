@@ -1,0 +1,113 @@
+"""The fused SwiGLU + rank-1 LoRA op (trainer/kernels/swiglu_lora.py) on a CPU.
+
+The GPU runs Triton kernels; here the same kernels run in Triton's interpreter (TRITON_INTERPRET=1, in a child
+process because the variable is read when Triton is imported) and the op's CPU formulas run through autograd.
+Both are compared with autograd of the plain expression, the MLP as transformers and Rank1LoraLinear write it.
+The GPU check (loss and gradients of whole layers in bf16) is benchmarks/trainer_fused_check.py, run by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from bucket.manifest import RunSpec
+from trainer.kernels.swiglu_lora import swiglu_lora
+from trainer.model import fuse_lora_mlps, wrap_lora
+
+
+def plain(gb, ub, mg, mu, bg, bu, ad):
+    gate = gb.float() + mg[:, None] * bg
+    up = ub.float() + mu[:, None] * bu
+    h = torch.nn.functional.silu(gate) * up
+    return h, h @ ad
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_the_op_and_its_gradients_equal_autograd_of_the_plain_expression():
+    gen = torch.Generator().manual_seed(0)
+    n, width = 37, 300  # neither a multiple of a tile
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    xs = [leaf(n, width), leaf(n, width), leaf(n), leaf(n), leaf(width), leaf(width), leaf(width)]
+    ys = [x.detach().clone().requires_grad_() for x in xs]
+    w, v = torch.randn(n, width, generator=gen), torch.randn(n, generator=gen)
+    h, hd = swiglu_lora(*xs)
+    ((h * w).sum() + (hd * v).sum()).backward()
+    h2, hd2 = plain(*ys)
+    ((h2 * w).sum() + (hd2 * v).sum()).backward()
+    assert rel(h, h2) < 1e-5 and rel(hd, hd2) < 1e-5
+    for name, x, y in zip(["gb", "ub", "mg", "mu", "bg", "bu", "ad"], xs, ys):
+        assert rel(x.grad, y.grad) < 1e-5, name
+
+
+INTERPRETED = """
+import json, torch
+from trainer.kernels import swiglu_lora as k
+gen = torch.Generator().manual_seed(1)
+out = {}
+for n in (45, 600):  # one row segment; several, each looping over row tiles
+    gb, ub, gh = (torch.randn(n, 300, generator=gen) for _ in range(3))
+    mg, mu, ghd = (torch.randn(n, generator=gen) for _ in range(3))
+    bg, bu, ad = (torch.randn(300, generator=gen) for _ in range(3))
+    f = zip(k.triton_forward(gb, ub, mg, mu, bg, bu, ad), k._reference_forward(gb, ub, mg, mu, bg, bu, ad))
+    b = zip(
+        k.triton_backward(gb, ub, mg, mu, bg, bu, ad, gh, ghd),
+        k._reference_backward(gb, ub, mg, mu, bg, bu, ad, gh, ghd),
+    )
+    out[n] = [float((x - y).norm() / y.norm()) for x, y in [*f, *b]]
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernels_equal_the_formulas_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    diffs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(diffs) == {"45", "600"}
+    for n, values in diffs.items():
+        assert len(values) == 9 and max(values) < 1e-5, (n, values)  # h, h.ad, then the seven gradients
+
+
+def test_a_fused_model_trains_as_the_unfused_one(one_thread):
+    cfg = Qwen2Config(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100,
+    )  # fmt: skip
+
+    def model():
+        torch.manual_seed(0)
+        m = wrap_lora(Qwen2ForCausalLM(cfg), RunSpec())
+        for name, p in m.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero, which would leave every A gradient zero
+                p.data.normal_(0, 0.1)
+        return m
+
+    ref, fused = model(), model()
+    assert fuse_lora_mlps(fused) == 2
+    ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(2))
+    for m in (ref, fused):
+        m(ids).logits.square().mean().backward()
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
+    assert set(fused_grads) == set(grads) and any(".mlp.down_proj.lora_A" in n for n in grads)
+    for name, g in grads.items():
+        assert rel(fused_grads[name], g) < 1e-4, name
+    # an adapter switched off runs the MLP as transformers writes it: the base model's output
+    with fused.disable_adapter(), ref.disable_adapter():
+        assert torch.allclose(fused(ids).logits, ref(ids).logits, atol=1e-5)
