@@ -284,8 +284,7 @@ def attend_blocks(q, k, v, blocks: list[tuple[int, int, int, int]], scale: float
 
 
 _FLEX = None
-# flex attention's kernel_options for the packed rows (None = flex's own choice); benchmarks/flex_sweep.py measures
-# candidates, docs/trainer-gpu.md has the figures
+# flex attention's kernel_options for packed rows (None: flex's own); candidates in benchmarks/flex_sweep.py
 FLEX_KERNEL_OPTIONS: dict | None = None
 
 
@@ -307,9 +306,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     if isinstance(packing, BlockMask):
-        out = _flex()(
-            query, key, value, block_mask=packing, scale=scaling, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS
-        )
+        kw = {"block_mask": packing, "scale": scaling, "enable_gqa": True, "kernel_options": FLEX_KERNEL_OPTIONS}
+        out = _flex()(query, key, value, **kw)
     else:
         out = attend_blocks(query, key, value, packing, scaling)
     return out.transpose(1, 2).contiguous(), None
