@@ -99,6 +99,12 @@ class RolloutConfig(BaseModel):
         0.7, description="Move to the next level once the mean reward of the last curriculum_window groups reaches it."
     )
     curriculum_window: int = Field(8, ge=1, description="Groups of the current level the curriculum averages over.")
+    curriculum_mix: Literal["informative", "newest"] = Field(
+        "informative",
+        description="Which levels reached give prompts: 'informative' = all of them, each as often as its recent "
+        "groups had unequal rewards (a mastered level is asked rarely, never dropped); 'newest' = the current "
+        "level alone (a held-out set of easier prompts then drifts out of the training distribution).",
+    )
     environment: str = Field(
         "",
         description="Multi-turn episodes: an environment factory as package.module:factory (a callable returning "

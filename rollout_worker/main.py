@@ -96,6 +96,7 @@ class Worker:
             settings.curriculum_threshold,
             settings.curriculum_window,
             read_data_cursor(store, worker_id),
+            settings.curriculum_mix,
         )
         log.info(
             "%d training prompts in %d level(s); evaluation set: %s",
@@ -286,7 +287,7 @@ class Worker:
         self.unwritten.append((group, ticket))
         mean = sum(s.reward for s in group.samples) / len(group.samples)
         before = self.sampler.level_name
-        if self.sampler.observe(ticket, mean):
+        if self.sampler.observe(ticket, mean, informative=len({s.reward for s in group.samples}) > 1):
             level = self.sampler.level_name
             self.ev.emit(events.CURRICULUM, level=level, previous=before, version=self.adapters.version)
             log.info("curriculum: training prompts move to level %s", self.sampler.level_name)

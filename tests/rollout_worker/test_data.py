@@ -9,7 +9,7 @@ import pytest
 
 from bucket.datacursor import DataCursor, read_data_cursor, write_data_cursor
 from rollout_worker.prompts import DataError, load_data, prompt_key, read_dataset
-from rollout_worker.sampler import PromptSampler
+from rollout_worker.sampler import PromptSampler, Ticket
 
 ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "topic": "sums"} for i in range(12)]
 CHAT = [{"prompt": [{"role": "user", "content": f"Name {i}."}], "answer": str(i)} for i in range(5)]
@@ -128,7 +128,7 @@ def test_curriculum_moves_up_when_the_reward_is_high():
     assert [sampler.observe(t, 0.5) for t, _ in rows] == [False] * 4  # 0.5 < 0.75: stays
     moved = [sampler.observe(sampler.next()[0], 1.0) for _ in range(4)]
     assert moved.count(True) == 1 and sampler.level == 1  # once the mean of the last 4 reached 0.75
-    assert sampler.next()[1]["level"] == 1
+    assert {sampler.next()[1]["level"] for _ in range(40)} == {0, 1}  # level 1 joins level 0, it does not replace it
     off = PromptSampler(data, "w", 0, curriculum=False)
     assert len(off.levels) == 1
 
@@ -148,3 +148,39 @@ def test_cursor_in_the_bucket_continues_the_data(tmp_path, store):
     # a cursor of other data (another seed) is not applied
     assert PromptSampler(data, "w1", 8, cursor=cursor).next()[0].position == 0
     assert read_data_cursor(store, "nobody") is None
+
+
+def test_a_level_reached_keeps_the_earlier_ones_weighted_by_what_their_groups_still_teach():
+    """Issue 34: once the sums moved to level 2 (an operand above 50) every training prompt lay outside the
+    held-out set's operands (up to 50). Now every level reached gives prompts, as often as its recent groups had
+    unequal rewards: a mastered level (all groups equal) is asked rarely but never dropped."""
+    data = load_data("arithmetic", "", 10)
+
+    def at_level_2(mix: str) -> PromptSampler:
+        sampler = PromptSampler(data, "w", 0, threshold=0.75, window=8, mix=mix)
+        while sampler.level < 2:
+            ticket, _ = sampler.next()
+            # the earlier levels are mastered: every group of them is all right (equal rewards)
+            sampler.observe(ticket, 1.0, informative=False)
+        return sampler
+
+    sampler = at_level_2("informative")
+    drawn = []
+    for _ in range(2000):
+        ticket, row = sampler.next()
+        assert ticket.level == row["level"]
+        drawn.append(ticket.level)
+        sampler.observe(ticket, 0.5, informative=ticket.level == 2)  # only the newest level still teaches
+    share = {lv: drawn.count(lv) / len(drawn) for lv in (0, 1, 2)}
+    # weights: mastered levels (1 + 0) / (2 + 8) = 0.1 each, the newest (1 + 8) / (2 + 8) = 0.9
+    assert share[2] > 0.75 and 0.03 < share[0] < 0.15 and 0.03 < share[1] < 0.15, share
+    assert sampler.weights() == [0.1, 0.1, 0.9]
+    # a mastered level the model starts to forget (its groups differ again) is asked more again
+    for _ in range(8):
+        sampler.observe(Ticket(0, 0), 0.5, informative=True)
+    assert sampler.weights()[0] == 0.9
+    # each level keeps its own seeded sequence: the cursor still names every prompt handed out
+    assert sampler.cursor().level == 2
+
+    newest = at_level_2("newest")
+    assert {newest.next()[0].level for _ in range(200)} == {2}
