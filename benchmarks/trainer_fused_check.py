@@ -1,10 +1,12 @@
 """Check: a fused path's loss and LoRA gradients against the trainer's own path, on one GPU, in bf16.
 
     python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all] [--fused-mlp]
+        [--concat-projections] [--keep-logits]
 
 The same random weights (and a random, non-zero LoRA B, so that every LoRA gradient is non-zero) run one
-long-tail step's rows three ways: the trainer's default (layers compiled), the same eager, and the candidate
-(`--liger` parts and / or `--fused-mlp`, compiled). bf16 rounding makes any two kernel orders differ a little;
+long-tail step's rows three ways: the reference (layers compiled, no fused MLP, no concatenated products, TRL's
+chunked log-prob), the same eager, and the candidate (`--liger` parts, `--fused-mlp`, `--concat-projections` with
+it, `--keep-logits`, compiled). bf16 rounding makes any two kernel orders differ a little;
 the candidate passes when it is no farther from the default than the eager path is (x `--slack`), and its
 gradients point the same way (cosine >= 0.999). The last line is one JSON object.
 """
@@ -19,9 +21,10 @@ from benchmarks.trainer_liger import apply_liger, parse_parts
 from benchmarks.trainer_shapes import SHAPES, make_groups, model_classes
 
 
-def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False) -> tuple[float, dict]:
+def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidate: bool = False) -> tuple[float, dict]:
     import torch
 
+    import trainer.kernels.logprob_head as logprob_head
     from bucket.manifest import RunSpec
     from trainer.grpo import LossConfig, accumulate, advantages, completions
     from trainer.model import compile_layers, fuse_lora_mlps, wrap_lora
@@ -42,7 +45,8 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False) -> tuple
             p.data.copy_(torch.randn(p.shape, generator=gen) * 1e-2)
     apply_liger(model, parse_parts(liger))
     if fused_mlp:
-        fuse_lora_mlps(model)
+        fuse_lora_mlps(model, candidate and args.concat_projections)
+    logprob_head.KEEP_LOGITS = candidate and args.keep_logits
     if compile_:
         compile_layers(model)
     budget = args.token_budget
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--liger", default="", help="the candidate's liger parts (benchmarks/trainer_liger.py)")
     p.add_argument("--fused-mlp", action="store_true", help="the candidate runs trainer/kernels/swiglu_lora.py")
+    p.add_argument("--concat-projections", action="store_true", help="with --fused-mlp: q/k/v and gate/up as one")
+    p.add_argument("--keep-logits", action="store_true", help="the LM head keeps its logits for the backward")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=8192)
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     default = run_path(args, "", True)
     eager = compare(default, run_path(args, "", False))
-    fused = compare(default, run_path(args, args.liger, True, args.fused_mlp))
+    fused = compare(default, run_path(args, args.liger, True, args.fused_mlp, candidate=True))
     ok = (
         fused["grad_cosine"] >= 0.999
         and fused["grad_rel_diff"] <= args.slack * max(eager["grad_rel_diff"], 1e-3)
@@ -102,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "liger": args.liger,
         "fused_mlp": args.fused_mlp,
+        "concat_projections": args.concat_projections,
+        "keep_logits": args.keep_logits,
         "loss": default[0],
         "eager_vs_default": eager,
         "fused_vs_default": fused,

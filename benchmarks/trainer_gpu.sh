@@ -63,6 +63,7 @@ run() {
 bench() { run "$1" "$2" benchmarks.trainer_step --device cuda "${@:3}"; }
 LT=(--shape qwen2.5-1.5b --lengths longtail)
 FIX=(--shape qwen2.5-1.5b --lengths fixed --prompt-tokens 200 --completion-tokens 512)
+FLEX_BWD='{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}'
 
 case $SET in
 a)
@@ -135,6 +136,18 @@ i)
     bench fused_flex_longtail 110 "${LT[@]}" --fused-mlp on \
         --flex-options '{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}'
     bench fused_longtail 90 "${LT[@]}" --fused-mlp on
+    ;;
+j)
+    # the tree of 2026-12-06 on an H200: the baseline (fused MLP) on both shapes, then each candidate alone
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench base_longtail 150 "${LT[@]}" --profile "$OUT/prof_longtail_base.txt"
+    bench base_fixed 110 "${FIX[@]}"
+    bench keep_logits_longtail 100 "${LT[@]}" --keep-logits on
+    bench concat_longtail 120 "${LT[@]}" --concat-projections on
+    bench flex_bwd_longtail 100 "${LT[@]}" --flex-options "$FLEX_BWD"
+    run fused_check 120 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp \
+        --concat-projections --keep-logits
+    run flex_sweep_32k 100 benchmarks.flex_sweep --token-budget 32768 --sets 0,4,7,8,9
     ;;
 *)
     echo "unknown set $SET" >&2

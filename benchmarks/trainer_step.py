@@ -4,6 +4,7 @@
         [--lengths fixed|longtail] [--device cuda] [--groups N] [--token-budget T] [--no-compile] [--fresh]
         [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...] [--masked-fraction F]
         [--fused-mlp auto|on|off] [--swiglu-tiles R,C,W/R,C,W] [--flex-options JSON]
+        [--concat-projections auto|on|off] [--keep-logits auto|on|off]
 
 Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
 decoder layers compiled on a GPU (`compile`, rank-1 LoRA as fused element-wise work).
@@ -122,6 +123,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the fused MLP's tiles as rows,cols,warps/rows,cols,warps (forward/backward; default: the kernel's)",
     )
     p.add_argument("--flex-options", default="", help="flex attention's kernel_options as JSON (default: flex's)")
+    p.add_argument(
+        "--concat-projections",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="with the fused MLP: q/k/v and gate/up each as one product (trainer/model.py CONCAT_PROJECTIONS); "
+        "auto: the trainer's default",
+    )
+    p.add_argument(
+        "--keep-logits",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="keep each GPU row's logits for the LM head's backward (trainer/kernels/logprob_head.py KEEP_LOGITS) "
+        "instead of TRL's recomputing function; auto: the trainer's default",
+    )
     p.add_argument("--lora-targets", default="", help="comma list of LoRA target modules (default: the run spec's)")
     p.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0 = its own)")
     p.add_argument(
@@ -174,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         use_rank1_lora(model, False)
     args.compile = gpu if args.compile is None else args.compile and gpu  # as the trainer: cuda only
     fused = args.fused_mlp == "on" or (args.fused_mlp == "auto" and args.compile)
-    fused_mlps = fuse_lora_mlps(model) if fused else 0
+    import trainer.kernels.logprob_head as logprob_head
+
+    if args.keep_logits != "auto":
+        logprob_head.KEEP_LOGITS = args.keep_logits == "on"
+    concat = None if args.concat_projections == "auto" else args.concat_projections == "on"
+    fused_mlps = fuse_lora_mlps(model, concat) if fused else 0
+    concat_layers = sum(hasattr(m, "brigade_concat_weight") for m in model.modules())
     if args.flex_options:
         import trainer.packing
 
@@ -317,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         "row_lengths": sorted(row_lengths),
         "liger": list(liger_parts),
         "fused_mlps": fused_mlps,
+        "concat_projections": concat_layers,  # modules running q/k/v or gate/up as one product
+        "keep_logits": logprob_head.KEEP_LOGITS,
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,

@@ -25,7 +25,8 @@ from bucket import adapters
 from bucket.config import ConfigError
 from bucket.manifest import RunManifest, RunSpec
 from jobkit.cpu import native_bf16
-from trainer.kernels.swiglu_lora import swiglu_lora
+from trainer.kernels.projections import CONCAT_ATTR, CONCAT_BIAS_ATTR, concat_weights, fuse_qkv
+from trainer.kernels.swiglu_lora import swiglu_lora, swiglu_lora_packed
 from trainer.packing import PACKED_ATTENTION, causal_lm, set_matmul_dtype
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -169,16 +170,28 @@ def use_rank1_lora(model: torch.nn.Module, on: bool = True) -> None:
             m.__class__ = Rank1LoraLinear if on else LoraLinear
 
 
-def fuse_lora_mlps(model: torch.nn.Module) -> int:
+# q/k/v and gate/up each as one product of concatenated frozen weights (trainer/kernels/projections.py), with the
+# fused MLP; measured in docs/trainer-gpu.md (benchmarks.trainer_step --concat-projections on|off).
+CONCAT_PROJECTIONS = False
+
+
+def fuse_lora_mlps(model: torch.nn.Module, concat: bool | None = None) -> int:
     """Run each SwiGLU MLP whose gate, up and down projections are rank-1 LoRA layers as one op
     (trainer/kernels/swiglu_lora.py: its backward one pass over the [N, intermediate] tensors instead of inductor's
-    many). Returns how many MLPs were fused. The parameters and what is saved do not change."""
+    many). With `concat` (default CONCAT_PROJECTIONS), gate and up also run as one product, and so do each attention
+    module's q, k and v (trainer/kernels/projections.py). Returns how many MLPs were fused. The parameters and what
+    is saved do not change."""
+    concat = CONCAT_PROJECTIONS if concat is None else concat
     fused = 0
-    for mlp in model.modules():
-        parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+    for mod in model.modules():
+        if concat and hasattr(mod, "q_proj"):
+            fuse_qkv(mod)
+        parts = [getattr(mod, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        silu = getattr(getattr(mod, "config", None), "hidden_act", None) == "silu"
         if silu and all(type(p) is Rank1LoraLinear for p in parts):
-            mlp.forward = types.MethodType(_fused_mlp_forward, mlp)
+            if concat:
+                concat_weights(mod, parts[:2])
+            mod.forward = types.MethodType(_fused_mlp_forward, mod)
             fused += 1
     return fused
 
@@ -192,7 +205,11 @@ def _fused_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     mg = (x2 * ag.to(x2.dtype)).sum(-1, dtype=torch.float32) * sg  # [N]: the scaled LoRA inputs, fp32 sums
     mu = (x2 * au.to(x2.dtype)).sum(-1, dtype=torch.float32) * su
-    h, hd = swiglu_lora(gate.base_layer(x2), up.base_layer(x2), mg, mu, bg, bu, ad)
+    concat = getattr(mlp, CONCAT_ATTR, None)
+    if concat is not None:  # [gate | up] as one product
+        h, hd = swiglu_lora_packed(F.linear(x2, concat, getattr(mlp, CONCAT_BIAS_ATTR)), mg, mu, bg, bu, ad)
+    else:
+        h, hd = swiglu_lora(gate.base_layer(x2), up.base_layer(x2), mg, mu, bg, bu, ad)
     out = down.base_layer(h)
     out = out + (hd * sd).to(out.dtype)[:, None] * bd.to(out.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -33,6 +33,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.kernels import ChunkedLogProbFunction
 
+from trainer.kernels.logprob_head import FULL_VOCAB_MAX, FullVocabLogProbs, KeptLogitsLogProbs, keeps_logits
+
 PACKED_ATTENTION = "brigade_packed"
 # The dtype of the model's matmuls when it differs from its weights' (set_matmul_dtype): bf16 over fp32 weights on
 # a CPU with native bf16 instructions.
@@ -321,48 +323,6 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-# On a CPU in fp32, a row's [N, vocab] probabilities are kept for the backward when they are at most this many
-# values (1 GiB), instead of recomputing the logits tile by tile in the backward.
-FULL_VOCAB_MAX = 2**28
-FULL_VOCAB_CHUNK = 1024  # positions per logits product (bounds the forward's temporaries)
-
-
-class FullVocabLogProbs(torch.autograd.Function):
-    """log p of each target and the entropy (not differentiated) from [N, vocab] logits = h W^T, computed
-    FULL_VOCAB_CHUNK positions at a time; the probabilities are kept for the backward, which is then one
-    matrix product: d log p_t / d logits = onehot(t) - p. Against TRL's chunked function this saves the
-    backward's recomputation of the logits (a third of the LM head's products) and its per-tile passes, for
-    one row's [N, vocab] in memory: the CPU's choice, where the LM head is a large share of the step and rows
-    are short. The LM head's weight is frozen (no gradient for it)."""
-
-    @staticmethod
-    @torch.autocast("cpu", enabled=False)  # logits in fp32 even when the layers below run bf16 matmuls
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-        h = h.to(weight.dtype)
-        n = h.shape[0]
-        probs = h.new_empty(n, weight.shape[0])
-        logp, entropy = h.new_empty(n), h.new_empty(n)
-        for s in range(0, n, FULL_VOCAB_CHUNK):
-            e = min(s + FULL_VOCAB_CHUNK, n)
-            z = torch.mm(h[s:e], weight.t())
-            z.sub_(torch.logsumexp(z, -1, keepdim=True))  # log p
-            logp[s:e] = z.gather(1, targets[s:e, None])[:, 0]
-            p = torch.exp(z, out=probs[s:e])
-            entropy[s:e] = -z.mul_(p).sum(-1)
-        ctx.save_for_backward(probs, weight, targets)
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor | None, _grad_entropy: torch.Tensor | None):
-        if grad_logp is None:
-            return None, None, None
-        probs, weight, targets = ctx.saved_tensors
-        grad = probs.mul_(-grad_logp[:, None])  # the probabilities are not needed again: reuse their memory
-        grad.scatter_add_(1, targets[:, None], grad_logp[:, None])
-        return grad @ weight, None, None
-
-
 def set_matmul_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Run the model's matmuls in `dtype` under autocast (packed_logprobs), whatever its weights' dtype."""
     setattr(causal_lm(model), MATMUL_DTYPE_ATTR, dtype)
@@ -395,6 +355,8 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
         cpu_fp32 = h.device.type == "cpu" and w.dtype == torch.float32
         if cpu_fp32 and not w.requires_grad and h.shape[0] * w.shape[0] <= FULL_VOCAB_MAX:
             return FullVocabLogProbs.apply(h, w, mb.targets)
+        if keeps_logits(h, w.shape[0]):  # a GPU row whose logits fit: kept for the backward, not recomputed
+            return KeptLogitsLogProbs.apply(h, w, mb.targets)
         tile = VOCAB_TILE.get(h.device.type, 8192)
         logp, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, mb.targets, 1.0, tile, None, 1.0, ("entropy",))
     return logp, entropy

@@ -66,7 +66,11 @@ for n in (45, 600):  # one row segment; several, each looping over row tiles
         k.triton_backward(gb, ub, mg, mu, bg, bu, ad, gh, ghd),
         k._reference_backward(gb, ub, mg, mu, bg, bu, ad, gh, ghd),
     )
-    out[n] = [float((x - y).norm() / y.norm()) for x, y in [*f, *b]]
+    gu = torch.cat([gb, ub], dim=1)  # [gate | up] as one tensor (CONCAT_PROJECTIONS)
+    pf = zip(k.triton_forward_packed(gu, mg, mu, bg, bu, ad), k._reference_forward(gb, ub, mg, mu, bg, bu, ad))
+    ref = k._reference_backward(gb, ub, mg, mu, bg, bu, ad, gh, ghd)
+    pb = zip(k.triton_backward_packed(gu, mg, mu, bg, bu, ad, gh, ghd), (torch.cat(ref[:2], dim=1), *ref[2:]))
+    out[n] = [float((x - y).norm() / y.norm()) for x, y in [*f, *b, *pf, *pb]]
 print(json.dumps(out))
 """
 
@@ -81,7 +85,8 @@ def test_the_triton_kernels_equal_the_formulas_in_the_interpreter():
     diffs = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(diffs) == {"45", "600"}
     for n, values in diffs.items():
-        assert len(values) == 9 and max(values) < 1e-5, (n, values)  # h, h.ad, then the seven gradients
+        # h, h.ad, the seven gradients; then packed: h, h.ad, the six gradients
+        assert len(values) == 17 and max(values) < 1e-5, (n, values)
 
 
 def test_a_fused_model_trains_as_the_unfused_one(one_thread):
