@@ -25,8 +25,15 @@ step's loss under `loss_type` (TRL's meanings, over the whole step rather than
 one micro-batch): `grpo` averages each sequence's token mean over sequences,
 `dapo` averages over all tokens of the step, `dr_grpo` divides by
 sequences x `max_completion_length`. Groups whose rewards are all equal have
-zero advantage everywhere: they are skipped before any forward pass and count
-in no denominator.
+zero advantage everywhere: they are skipped before any forward pass, and their
+sequences and tokens still count in the loss type's denominator, as in TRL
+(which runs them with zero advantage): a step whose groups are mostly equal
+carries little signal and moves the weights little. Leaving them out of the
+denominator (brigade before issue 34) gave a step of one informative group of
+four the same size of update as a step of four, from a quarter of the data;
+late in a long run, with most groups equal, those noisy steps drifted the
+policy off its best held-out accuracy. (With `beta` > 0 TRL would also train
+their KL term; here they train nothing.)
 
 A sample's loss mask (bucket/rollouts.py: 1 for tokens the model sampled, 0
 for an episode's template, environment and tool tokens) decides what is a
@@ -108,12 +115,13 @@ def advantages(groups: list[ScoredGroup], scale_rewards: ScaleRewards) -> tuple[
 
 
 def completions(
-    groups: list[ScoredGroup], advs: list[torch.Tensor], cfg: LossConfig
+    groups: list[ScoredGroup], advs: list[torch.Tensor], cfg: LossConfig, equal: Iterable[ScoredGroup] = ()
 ) -> list[tuple[list[int], list[Completion]]]:
     """The groups as packing input, each token weighted so that the weighted sum is the step's loss.
 
+    `equal`: the step's groups of equal rewards, not trained (zero advantage) but counted in the denominator.
     Lengths are trained (mask-1) tokens; a sample without any is left out, as an empty one is."""
-    lengths = [n for g in groups for s in g.samples if (n := s.trained_tokens)]
+    lengths = [n for g in [*groups, *equal] for s in g.samples if (n := s.trained_tokens)]
     n_seq, n_tok = max(len(lengths), 1), max(sum(lengths), 1)
 
     def weight(n: int) -> float:

@@ -147,16 +147,17 @@ class Trainer:
         `wait_s`: how long the trainer waited for this batch (`perf/wait_s`, what the proxy's autoscaler reads).
 
         Groups whose rewards are all equal carry no signal: they are set aside before any forward pass
-        (recorded in the checkpoint as skipped). The rest are packed into token-budget micro-batches
-        whose gradients accumulate (shared among the ranks when data-parallel, then summed); the
-        device is read back once, after the optimizer step.
+        (recorded in the checkpoint as skipped) and count only in the loss's denominator. The rest are
+        packed into token-budget micro-batches whose gradients accumulate (shared among the ranks when
+        data-parallel, then summed); the device is read back once, after the optimizer step.
         """
         t0 = time.monotonic()
         groups = [g for _, g in batch]
         advs, zero = advantages(groups, self.loss.scale_rewards)
         keep = [i for i, z in enumerate(zero) if not z]
         budget = self.token_budget
-        planned = rows(completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss), budget)
+        equal = [g for g, z in zip(groups, zero) if z]  # no forward pass; in the loss's denominator (grpo.py)
+        planned = rows(completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss, equal), budget)
         pad = row_quantum(budget) if self.compiled else FLEX_BLOCK if self.device.type == "cuda" else 1
         self.optimizer.zero_grad(set_to_none=True)
         mine = self.dp.share(planned, row_tokens)  # all of them, unless data-parallel

@@ -132,6 +132,42 @@ def test_packed_loss_and_gradients_equal_unpacked_rows(loss_type, budget):
     assert any(g.abs().sum() > 0 for k, g in packed.items() if "lora_A" in k)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_equal_reward_groups_skip_the_forward_pass_but_count_in_the_denominator_as_in_trl(loss_type):
+    """Issue 34: a step's groups of equal rewards are not run (zero advantage: no loss, no gradient) but their
+    sequences and tokens are in the loss type's denominator, as TRL runs them: a step that is mostly equal
+    groups moves the weights less. Without `equal` the trainer's loss and gradients are larger than TRL's."""
+    model = _model()
+    groups = _groups(random.Random(3), temperature=0.7)
+    same = _groups(random.Random(4), temperature=0.7)[:2]
+    for g in same:
+        g.samples = [s.model_copy(update={"reward": 1.0}) for s in g.samples]
+    everything = [groups[0], same[0], *groups[1:], same[1]]
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=9)
+
+    model.zero_grad(set_to_none=True)
+    trl = _unpacked_loss(model, everything, cfg)  # every group through the forward pass, TRL's way
+    trl.backward()
+    expected = _grads(model)
+
+    def trainer_step(count_equal: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        advs, zero = advantages(everything, cfg.scale_rewards)
+        assert zero == [False, True, *[False] * (len(groups) - 1), True]
+        kept = [(g, a) for g, a, z in zip(everything, advs, zero) if not z]
+        equal = [g for g, z in zip(everything, zero) if z] if count_equal else []
+        micro = pack(completions([g for g, _ in kept], [a for _, a in kept], cfg, equal), 64)
+        model.zero_grad(set_to_none=True)
+        return metrics(accumulate(model, micro, cfg).tolist(), cfg.beta)["loss"], _grads(model)
+
+    loss, grads = trainer_step(count_equal=True)
+    assert loss == pytest.approx(trl.item(), rel=1e-5, abs=1e-7)
+    for k in expected:
+        torch.testing.assert_close(grads[k], expected[k], rtol=1e-4, atol=1e-7)
+    _, uncounted = trainer_step(count_equal=False)
+    key = next(k for k in expected if "lora_B" in k)
+    assert uncounted[key].norm() > 1.05 * expected[key].norm()
+
+
 def test_qwen2_shape_and_kl_to_base():
     """Attention biases (Qwen2), and beta > 0: the base model's logprobs come from the adapter disabled."""
     model = _model("qwen2")
