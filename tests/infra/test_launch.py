@@ -557,7 +557,7 @@ sleep 30 >/dev/null 2>&1 &
 sleeper=$!
 printf '%s\\n' "$*" >>"$SRUN_LOG"
 case "$*" in *--het-group=0*)
-    for _ in $(seq 100); do [ "$(wc -l <"$SRUN_LOG")" -ge 3 ] && break; sleep 0.1; done
+    until [ "$(wc -l <"$SRUN_LOG")" -ge 3 ]; do sleep 0.1; done  # every step set its trap (run bounds it)
     kill "$sleeper"
     exit 3 ;;
 esac

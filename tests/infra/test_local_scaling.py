@@ -52,8 +52,11 @@ class Sleeper:
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        script = 'trap "exit 0" TERM; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
-        self.proc = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+        # Returns once the trap is set: a SIGTERM that came before it killed the shell (exit code -15), which a
+        # loaded host showed (issue 29: the scaler then rightly said "drained and stopped (exit code -15)").
+        script = 'trap "exit 0" TERM; echo ready; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
+        self.proc = subprocess.Popen(["sh", "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
