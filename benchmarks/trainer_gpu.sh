@@ -138,7 +138,7 @@ i)
     bench fused_longtail 90 "${LT[@]}" --fused-mlp on
     ;;
 j)
-    # the tree of 2026-12-06 on an H200: the baseline (fused MLP) on both shapes, then each candidate alone
+    # 2026-12-06 (an H100 came): the baseline (fused MLP) on both shapes, then each candidate alone
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
     bench base_longtail 150 "${LT[@]}" --profile "$OUT/prof_longtail_base.txt"
     bench base_fixed 110 "${FIX[@]}"
@@ -148,6 +148,44 @@ j)
     run fused_check 120 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp \
         --concat-projections --keep-logits
     run flex_sweep_32k 100 benchmarks.flex_sweep --token-budget 32768 --sets 0,4,7,8,9
+    ;;
+k)
+    # the final tree (logits kept by default): baseline without, then q/k/v + gate/up concatenated, kept if faster
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench base_longtail 100 "${LT[@]}" --keep-logits off
+    bench keep_longtail 60 "${LT[@]}"
+    run fused_check_keep 90 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits
+    bench keep_concat_longtail 90 "${LT[@]}" --concat-projections on --profile "$OUT/prof_longtail_final.txt"
+    CONCAT=$(python3 -c "
+import json
+r = {d['run']: d.get('result') for d in map(json.loads, open('$OUT/results.jsonl'))}
+a, b = r.get('keep_longtail'), r.get('keep_concat_longtail')
+print('on' if a and b and b['step_s'] < a['step_s'] else 'off')
+" 2>>"$LOG")
+    echo "concat: $CONCAT" >>"$LOG"
+    bench final_fixed 70 "${FIX[@]}" --concat-projections "$CONCAT"
+    bench base_fixed 60 "${FIX[@]}" --keep-logits off
+    if [ "$CONCAT" = on ]; then
+        run fused_check_concat 90 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp \
+            --concat-projections --keep-logits
+    fi
+    bench final_fresh 130 "${LT[@]}" --fresh --steps 8 --concat-projections "$CONCAT"
+    bench q7b_longtail 200 --shape qwen2.5-7b --lengths longtail --concat-projections "$CONCAT"
+    ;;
+l)
+    # what set k could not run for lack of device time: the kept logits' equality, then q/k/v + gate/up concatenated
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    run fused_check_keep 80 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits
+    bench keep_longtail 80 "${LT[@]}"
+    bench keep_concat_longtail 80 "${LT[@]}" --concat-projections on
+    run fused_check_concat 80 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp \
+        --concat-projections --keep-logits
+    bench base_longtail 60 "${LT[@]}" --keep-logits off
+    ;;
+m)
+    # the fixed shape with the logits kept (the default) and without, on the same card
+    bench keep_fixed 80 "${FIX[@]}"
+    bench base_fixed 70 "${FIX[@]}" --keep-logits off
     ;;
 *)
     echo "unknown set $SET" >&2

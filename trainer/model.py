@@ -171,7 +171,7 @@ def use_rank1_lora(model: torch.nn.Module, on: bool = True) -> None:
 
 
 # q/k/v and gate/up each as one product of concatenated frozen weights (trainer/kernels/projections.py), with the
-# fused MLP; measured in docs/trainer-gpu.md (benchmarks.trainer_step --concat-projections on|off).
+# fused MLP: off, no measurable win on an H100 (0.992 against 0.997 s, docs/trainer-gpu.md; equal within bf16).
 CONCAT_PROJECTIONS = False
 
 

@@ -12,6 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from bucket.manifest import RunSpec
+from trainer.kernels import projections
 from trainer.kernels.projections import CONCAT_ATTR
 from trainer.model import fuse_lora_mlps, wrap_lora
 
@@ -26,7 +27,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_concatenated_products_train_as_the_separate_layers(family, one_thread):
+def test_concatenated_products_train_as_the_separate_layers(family, one_thread, monkeypatch):
     cfg = Qwen2Config(**SHAPE) if family == "qwen2" else Qwen3Config(**SHAPE, head_dim=16)
     cls = Qwen2ForCausalLM if family == "qwen2" else Qwen3ForCausalLM
 
@@ -49,12 +50,16 @@ def test_concatenated_products_train_as_the_separate_layers(family, one_thread):
     assert torch.equal(attn.k_proj.base_layer.weight, ref.get_base_model().model.layers[0].self_attn.k_proj.weight)
     assert fused.state_dict().keys() == ref.state_dict().keys()
 
+    calls = []
+    concat_forward = projections.concat_forward
+    monkeypatch.setattr(projections, "concat_forward", lambda *a: calls.append(1) or concat_forward(*a))
     ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(2))
     outs = []
     for m in (ref, fused):
-        logits = m(ids).logits
+        logits = m(ids, use_cache=False).logits  # as the trainer runs it (a cache runs the layers one by one)
         logits.square().mean().backward()
         outs.append(logits.detach())
+    assert len(calls) == 2  # q/k/v of each layer as one product (gate/up: the fused MLP's own path)
     assert rel(outs[1], outs[0]) < 1e-5
     grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
@@ -62,4 +67,4 @@ def test_concatenated_products_train_as_the_separate_layers(family, one_thread):
     for name, g in grads.items():
         assert rel(fused_grads[name], g) < 1e-4, name
     with fused.disable_adapter(), ref.disable_adapter():
-        assert torch.allclose(fused(ids).logits, ref(ids).logits, atol=1e-5)
+        assert torch.allclose(fused(ids, use_cache=False).logits, ref(ids, use_cache=False).logits, atol=1e-5)

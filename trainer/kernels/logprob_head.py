@@ -29,7 +29,8 @@ except ImportError:  # pragma: no cover
 # Keep the logits when one row's take at most this share of the GPU's memory (8.9 GB of the H200's 141 GB for
 # Qwen2.5-1.5B's 32768-token rows; 5 GB of an H100's 80 GB at 16384); a larger row falls back to TRL's function.
 KEEP_LOGITS_SHARE = 0.1
-KEEP_LOGITS = False  # on: packed_logprobs keeps a GPU row's logits (benchmarks.trainer_step --keep-logits on)
+# 4 % off the 1.5B step on an H100 (docs/trainer-gpu.md); off: TRL's function everywhere (trainer_step --keep-logits)
+KEEP_LOGITS = True
 BLOCK = 1024  # vocabulary columns per step of the row kernels
 
 

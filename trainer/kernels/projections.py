@@ -10,7 +10,6 @@ term s (a . x) b is added to its slice of the output as Rank1LoraLinear adds it.
 
 from __future__ import annotations
 
-import functools
 import sys
 import types
 
@@ -19,6 +18,7 @@ import torch
 Tensor = torch.Tensor
 CONCAT_ATTR = "brigade_concat_weight"  # the concatenated weight (and bias), a non-persistent buffer of the parent
 CONCAT_BIAS_ATTR = "brigade_concat_bias"
+CONCAT_SIZES_ATTR = "brigade_concat_sizes"  # each layer's rows, as ints: the compiled forward never reads the views
 
 
 def base_linear(layer: torch.nn.Module) -> torch.nn.Linear:
@@ -39,6 +39,7 @@ def concat_weights(parent: torch.nn.Module, layers: list[torch.nn.Module]) -> bo
     parent.register_buffer(CONCAT_ATTR, w, persistent=False)
     b = None if biases[0] is None else torch.cat([x.detach() for x in biases])
     parent.register_buffer(CONCAT_BIAS_ATTR, b, persistent=False)
+    setattr(parent, CONCAT_SIZES_ATTR, [x.shape[0] for x in weights])
     start = 0
     for base in bases:
         rows = base.weight.shape[0]
@@ -73,7 +74,10 @@ def concat_forward(parent: torch.nn.Module, layers: list[torch.nn.Module], x: Te
     if factors is None:
         return None
     y = torch.nn.functional.linear(x, getattr(parent, CONCAT_ATTR), getattr(parent, CONCAT_BIAS_ATTR))
-    outs = list(y.split([base_linear(m).weight.shape[0] for m in layers], dim=-1))
+    # split by the sizes kept as ints: reading the layers' own weights (views of the concatenated one) would make
+    # them graph inputs aliasing it, which the compiled backward of torch 2.11 gets wrong (a gradient of the wrong
+    # shape for a LoRA A, measured on an H100)
+    outs = list(y.split(getattr(parent, CONCAT_SIZES_ATTR), dim=-1))
     for i, f in enumerate(factors):
         if f is not None:
             a, b, scaling = f
@@ -91,7 +95,13 @@ def fuse_qkv(attn: torch.nn.Module) -> bool:
     modeling = sys.modules[type(attn).__module__]  # the model's own rotary and attention functions
     if not hasattr(modeling, "apply_rotary_pos_emb") or not concat_weights(attn, layers):
         return False
-    attn.forward = types.MethodType(functools.partial(_attention_forward, modeling=modeling), attn)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        # a closure, not a functools.partial: torch.compile silently traces the class's forward for the latter
+        args = (hidden_states, position_embeddings, attention_mask, past_key_values)
+        return _attention_forward(self, *args, modeling=modeling, **kwargs)
+
+    attn.forward = types.MethodType(forward, attn)
     return True
 
 
