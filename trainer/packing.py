@@ -331,9 +331,10 @@ def set_matmul_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """log p (under each sequence's sampling temperature) of every trained token of the row, and the entropy there.
 
-    The LM head runs through TRL's chunked log-softmax: tiles of the vocabulary at a time, so the
-    [N, vocab] logits are never materialised, in fp32 or otherwise, and its backward recomputes them. On a
-    CPU in fp32, a row whose [N, vocab] fits in FULL_VOCAB_MAX goes through FullVocabLogProbs instead.
+    On a GPU, a row whose bf16 [N, vocab] logits fit (keeps_logits) keeps them for the backward
+    (KeptLogitsLogProbs: one product less). Otherwise the LM head runs through TRL's chunked log-softmax:
+    tiles of the vocabulary at a time, never materialised, recomputed by its backward. On a CPU in fp32, a row
+    whose [N, vocab] fits in FULL_VOCAB_MAX goes through FullVocabLogProbs instead.
     """
     lm = causal_lm(model)
     head = lm.get_output_embeddings()

@@ -1,10 +1,11 @@
 """The LM head's log-probabilities with the row's logits kept for the backward (issue 32; docs/trainer-gpu.md).
 
-TRL's chunked log-prob (trainer/packing.py's GPU default) never holds the [N, vocab] logits: its backward
-recomputes them, tile by tile, a third matrix product of the LM head's size (on Qwen2.5-1.5B, 2 x 29k x 152k x
-1536 = 14 TFLOP per 32768-token row, about 18 ms on an H200). Here the forward's product is kept instead, in the
-matmul dtype (bf16: what TRL's recomputed tiles hold too), and the backward turns it into the logits' gradient in
-place and multiplies once: one row's [N, vocab] in memory (8.9 GB for that row) for one product less.
+TRL's chunked log-prob (trainer/packing.py's GPU path until 2026-12-06) never holds the [N, vocab] logits: its
+backward recomputes them, tile by tile, a third matrix product of the LM head's size (on Qwen2.5-1.5B,
+2 x 29k x 152k x 1536 = 14 TFLOP per 32768-token row, about 18 ms on an H200). Here the forward's product is
+kept instead, in the matmul dtype (bf16: what TRL's recomputed tiles hold too), and the backward turns it into
+the logits' gradient in place and multiplies once: one row's [N, vocab] in memory (8.9 GB for that row) for one
+product less.
 
     forward:  z = h W^T (one product), then per row lse = logsumexp(z), log p_t = z_t - lse, entropy = lse - sum p z
     backward: z <- g (onehot(t) - softmax(z)) in place, dL/dh = z W (accumulated in fp32)
