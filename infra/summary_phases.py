@@ -57,6 +57,9 @@ def phase_figures(
         for means, of in ((_STEP_MEANS, part), (_TOKEN_MEANS, trained)):
             for name, key in means.items():
                 row[name] = _mean([e[key] for e in of if isinstance(e.get(key), int | float)])
+        # a rate of 1e-4 or so is not a figure to 4 decimals: 4 significant digits
+        rates = [e["learning_rate"] for e in part if isinstance(e.get("learning_rate"), int | float)]
+        row["learning_rate"] = float(f"{statistics.fmean(rates):.4g}") if rates else None
         row["steps_trained"] = len(trained)
         tokens = sum(e.get("tokens", 0) for e in part)
         samples = sum(e.get("samples", 0) for e in part)

@@ -24,9 +24,11 @@ class TrainerConfig(BaseModel):
         "README's learning section).",
     )
     lr_scheduler_type: Schedule = Field(
-        "constant",
+        "cosine",
         description="Learning-rate schedule over max_steps (transformers' names): constant, linear (to 0 at "
-        "max_steps) or cosine (half a cosine to 0); a function of the step, so a resumed run continues it.",
+        "max_steps) or cosine (half a cosine to 0); a function of the step, so a resumed run continues it. "
+        "cosine: a long run ends where it got to instead of swinging at full rate once its answers are nearly "
+        "deterministic (docs/learning.md, issue 34).",
     )
     warmup_ratio: float = Field(
         0.0, ge=0, lt=1, description="Share of max_steps over which the learning rate rises linearly from 0."

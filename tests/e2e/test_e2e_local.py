@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import statistics
 
 from bucket import checkpoints, events
 from bucket.manifest import read_manifest
@@ -122,7 +123,8 @@ def test_the_summary_cuts_the_run_into_phases_from_its_own_records(local_run):
     for p in phases:
         part = [e for e in steps if p["steps"][0] <= e["step"] <= p["steps"][1]]
         assert p["reward"] == round(sum(e["reward"] for e in part) / len(part), 4)
-        assert p["learning_rate"] == 1e-3  # the default constant schedule
+        # the default cosine schedule: a phase's mean rate (falling from the base rate 1e-3, below)
+        assert p["learning_rate"] == float(f"{statistics.fmean(e['learning_rate'] for e in part):.4g}")
         assert 0.0 <= p["frac_reward_zero_std"] <= 1.0
         # the token means are of the steps that trained tokens (none when every group had equal rewards)
         trained = [e for e in part if e["tokens"]]
@@ -130,6 +132,8 @@ def test_the_summary_cuts_the_run_into_phases_from_its_own_records(local_run):
         assert (p["entropy"] is None) == (not trained) and (p["entropy"] is None or p["entropy"] > 0)
         # the trained completions are at most the run's 8 tokens
         assert p["completion_tokens_mean"] is None or 0 < p["completion_tokens_mean"] <= 8
+    rates = [e["learning_rate"] for e in sorted(steps, key=lambda e: e["step"])]
+    assert rates[0] == 1e-3 and all(a > b for a, b in zip(rates, rates[1:])), rates
     # the base model's evaluation opens the first phase, the final version's closes the last
     assert phases[0]["held_out"][0][0] == 0
     assert phases[-1]["held_out"][-1][0] == s["final_accuracy_version"]

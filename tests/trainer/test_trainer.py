@@ -96,7 +96,7 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
 
     port = free_port()
     with Scraper(f"http://127.0.0.1:{port}/metrics") as scraper:  # /metrics while the trainer runs
-        # a linear schedule over the 2 steps: 1e-3, then 5e-4 (the restart below runs the default, constant)
+        # a linear schedule over the 2 steps: 1e-3, then 5e-4 (the restart below runs the default, cosine)
         config = _config(bucket, model_dir, max_steps=2, metrics_port=port, lr_scheduler_type="linear")
         assert run_trainer(*config) == 0
     # v1 = untrained adapter, then one version per step
@@ -143,7 +143,8 @@ def test_trains_publishes_and_resumes_exactly_once(tmp_path, model_dir, base_mod
     assert pending == [shard(4, 1)]
     # each drop's reason is in the step event after it (what `brigade summary` adds up) ...
     steps = [e for e in events.read_all(store) if e["kind"] == events.TRAIN_STEP]
-    assert [e["learning_rate"] for e in steps[2:]] == [1e-3]  # the restart's own setting: constant
+    # the restart's own setting, the default cosine over its 3 steps: step 3's rate is 1e-3 x (1 + cos(2 pi / 3)) / 2
+    assert [e["learning_rate"] for e in steps[2:]] == pytest.approx([2.5e-4])
     assert sum(e.get("dropped/stale", 0) for e in steps) == 3 and not any(
         "dropped/newer_than_trainer" in e for e in steps
     )
