@@ -4,7 +4,10 @@ In time means within 4x the replica's own observed /health latency, between
 `probe_timeout_s` and `probe_timeout_max_s`; and a replica that answered a
 generation lately is busy, not dead: a saturated vLLM queues /health behind
 its batch, so a timeout then only stretches the next one instead of ejecting
-it (the passive signal, answers, comes first).
+it (the passive signal, answers, comes first). A replica that holds requests
+but has answered none lately (a first wave of long completions, each longer
+than the grace) is given the benefit of the doubt up to `probe_timeout_max_s`:
+its timeouts stretch until /health has been silent for that long.
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ class HealthChecks:
             seen = self.latency.get(rid)
             self.latency[rid] = answer.seconds if seen is None else 0.8 * seen + 0.2 * answer.seconds
             return
-        if answer.timed_out and self.busy(rid):
-            # A saturated replica queues /health behind its generation; it is answering, so it is alive:
-            # give its /health longer next time instead of ejecting it.
+        working = self.state.router.inflight(rid) > 0 and timeout < self.state.config.probe_timeout_max_s
+        if answer.timed_out and (self.busy(rid) or working):
+            # A saturated replica queues /health behind its generation; it is answering (or holds requests and
+            # has not yet been silent for the longest timeout), so it is alive: give its /health longer next time
+            # instead of ejecting it.
             self.latency[rid] = max(self.latency.get(rid, 0.0), timeout)
             self.busy_timeouts[rid] = self.busy_timeouts.get(rid, 0) + 1
             return

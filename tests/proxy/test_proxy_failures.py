@@ -41,7 +41,7 @@ ANSWER = json.dumps({"choices": [{"text": "ok", "token_ids": [1], "logprobs": {"
 class RawUpstream(asyncio.Protocol):
     """A loopback "replica" whose behaviour for generations is `mode`: ok, drop (close right after reading the
     request), stream_break (two SSE events, then a reset), hang_health (never answers /health), slow_health (answers
-    /health after `health_delay_s`, generations at once)."""
+    /health after `health_delay_s`, generations after `generation_delay_s`), hang_all (answers nothing)."""
 
     def __init__(self, server: RawServer) -> None:
         self.server = server
@@ -62,6 +62,8 @@ class RawUpstream(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         mode, srv = self.server.mode, self.server
+        if mode == "hang_all":
+            return
         if self.url.startswith(b"/health"):
             if mode == "hang_health":
                 return
@@ -89,10 +91,8 @@ class RawUpstream(asyncio.Protocol):
             )
             asyncio.get_running_loop().call_later(0.05, self.transport.abort)
         else:
-            self.transport.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(ANSWER)
-                + ANSWER
-            )
+            answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(ANSWER)
+            asyncio.get_running_loop().call_later(srv.generation_delay_s, self.transport.write, answer + ANSWER)
 
 
 class RawServer:
@@ -100,6 +100,7 @@ class RawServer:
         self.mode = mode
         self.generations = 0
         self.health_delay_s = 1.5
+        self.generation_delay_s = 0.0
         self.closed = 0  # connections that ended
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -254,6 +255,47 @@ def test_a_busy_replica_whose_health_is_slow_is_not_ejected(run_store):
             assert time.monotonic() - t0 <= 1.5
         busy.close()
         good.close()
+
+    asyncio.run(body())
+
+
+def test_a_replica_holding_long_generations_is_not_ejected_before_its_first_answer(run_store):
+    """The first wave of long completions: the replica holds requests, has answered none (so it is not busy by its
+    answers), and its /health is slow (1.5 s, beyond the 0.5 s floor). It is working, not dead: its timeout
+    stretches instead of ejecting it. One that then answers nothing at all, requests held, is still ejected once its
+    /health has been silent for the longest timeout. Loopback fakes: no real vLLM can delay /health on demand."""
+    store, manifest = run_store
+
+    async def body():
+        up = await RawServer("slow_health").start()
+        up.generation_delay_s = 4.0  # longer than busy_grace_s: no answer says it is alive meanwhile
+        cfg = ProxyConfig(
+            replica_urls=[up.url],
+            refresh_s=0.1,
+            probe_interval_s=0.25,
+            probe_timeout_s=0.5,
+            probe_timeout_max_s=3.0,
+            busy_grace_s=1,
+        )
+        proxy = Proxy(cfg, store, manifest, static_adapter_root="/a")
+        async with served(proxy) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+            assert len(proxy.routable) == 1
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=completion(i)) for i in range(3)))
+            assert [a.status_code for a in answers] == [200] * 3
+            assert proxy.membership.health.busy_timeouts.get(up.url, 0) >= 1  # /health did run out of time
+            assert up.url in proxy.routable, proxy.membership.ejected
+
+            up.mode = "hang_all"  # frozen with requests held: neither answers nor /health
+            held = asyncio.create_task(client.post("/v1/completions", json=completion(9)))
+            while proxy.router.inflight(up.url) == 0:
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            while up.url in proxy.routable:
+                assert time.monotonic() - t0 < 30, "a frozen replica holding requests was never ejected"
+                await asyncio.sleep(0.05)
+            assert "did not answer" in proxy.membership.ejected[up.url]
+            held.cancel()
+        up.close()
 
     asyncio.run(body())
 
