@@ -28,6 +28,10 @@ OPTION_SETS: list[dict] = [
     {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
     {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 8, "bwd_num_stages": 3},
     {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "bwd_num_warps": 8, "bwd_num_stages": 3},
+    # Hopper's tensor memory accelerator for the tiles' loads (flex turns it on by default only on Intel GPUs)
+    {"USE_TMA": True},
+    {"fwd_USE_TMA": True},
+    {"USE_TMA": True, **{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}, "bwd_num_warps": 4},
 ]
 
 

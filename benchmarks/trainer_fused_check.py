@@ -1,14 +1,14 @@
 """Check: a fused path's loss and LoRA gradients against the trainer's own path, on one GPU, in bf16.
 
     python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all] [--fused-mlp]
-        [--concat-projections] [--keep-logits]
+        [--concat-projections] [--keep-logits] [--flex-options JSON] [--inductor JSON]
 
 The same random weights (and a random, non-zero LoRA B, so that every LoRA gradient is non-zero) run one
 long-tail step's rows three ways: the reference (layers compiled, no fused MLP, no concatenated products, TRL's
 chunked log-prob), the same eager, and the candidate (`--liger` parts, `--fused-mlp`, `--concat-projections` with
-it, `--keep-logits`, compiled). bf16 rounding makes any two kernel orders differ a little;
-the candidate passes when it is no farther from the default than the eager path is (x `--slack`), and its
-gradients point the same way (cosine >= 0.999). The last line is one JSON object.
+it, `--keep-logits`, flex's `--flex-options`, `--inductor` config values, compiled). bf16 rounding makes any two
+kernel orders differ a little; the candidate passes when it is no farther from the default than the eager path is
+(x `--slack`), and its gradients point the same way (cosine >= 0.999). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidat
     if fused_mlp:
         fuse_lora_mlps(model, candidate and args.concat_projections)
     logprob_head.KEEP_LOGITS = candidate and args.keep_logits
+    if candidate:  # the candidate runs last: what it sets stays set
+        import trainer.packing
+        from benchmarks.trainer_step import set_inductor_config
+
+        if args.flex_options:
+            trainer.packing.FLEX_KERNEL_OPTIONS = json.loads(args.flex_options)
+        set_inductor_config(json.loads(args.inductor) if args.inductor else {})
     if compile_:
         compile_layers(model)
     budget = args.token_budget
@@ -84,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-mlp", action="store_true", help="the candidate runs trainer/kernels/swiglu_lora.py")
     p.add_argument("--concat-projections", action="store_true", help="with --fused-mlp: q/k/v and gate/up as one")
     p.add_argument("--keep-logits", action="store_true", help="the LM head keeps its logits for the backward")
+    p.add_argument("--flex-options", default="", help="the candidate's flex kernel_options as JSON")
+    p.add_argument("--inductor", default="", help="the candidate's torch._inductor.config values as JSON")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=8192)
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "fused_mlp": args.fused_mlp,
         "concat_projections": args.concat_projections,
         "keep_logits": args.keep_logits,
+        "flex_options": json.loads(args.flex_options) if args.flex_options else None,
+        "inductor": json.loads(args.inductor) if args.inductor else None,
         "loss": default[0],
         "eager_vs_default": eager,
         "fused_vs_default": fused,

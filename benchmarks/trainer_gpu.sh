@@ -187,6 +187,31 @@ m)
     bench keep_fixed 80 "${FIX[@]}"
     bench base_fixed 70 "${FIX[@]}" --keep-logits off
     ;;
+n)
+    # 2026-12-06, second session (an H200 asked): the current defaults on both shapes, flex's options on the card's
+    # own row length, then each candidate alone; the baseline again last (the spread of one card)
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"
+    } >>"$LOG" 2>&1
+    ROW=$(python3 -c "import torch; print(32768 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 16384)")
+    bench base_longtail 150 "${LT[@]}" --profile "$OUT/prof_longtail_base.txt"
+    bench base_fixed 90 "${FIX[@]}"
+    run flex_sweep_row 90 benchmarks.flex_sweep --token-budget "$ROW" --sets 0,7,10,11,12
+    bench flex_bwd_longtail 60 "${LT[@]}" --flex-options "$FLEX_BWD"
+    # the fastest TMA set (fwd + bwd) if it beats flex's defaults on the row by 3 %
+    TMA=$(python3 -c "
+import json
+r = [d for d in map(json.loads, open('$OUT/results.jsonl')) if d['run'] == 'flex_sweep_row'][-1]['result']['sets']
+t = lambda s: s['forward_ms'] + s['backward_ms'] if 'forward_ms' in s else 1e9
+best = min((s for s in r if 'USE_TMA' in json.dumps(s['options'])), key=t)
+print(json.dumps(best['options']) if t(best) < 0.97 * t(r[0]) else '')
+" 2>>"$LOG")
+    echo "tma: $TMA" >>"$LOG"
+    if [ -n "$TMA" ]; then bench flex_tma_longtail 60 "${LT[@]}" --flex-options "$TMA"; fi
+    bench cdt_longtail 150 "${LT[@]}" --inductor '{"coordinate_descent_tuning": true}'
+    bench base_longtail2 60 "${LT[@]}"
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

@@ -4,7 +4,7 @@
         [--lengths fixed|longtail] [--device cuda] [--groups N] [--token-budget T] [--no-compile] [--fresh]
         [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...] [--masked-fraction F]
         [--fused-mlp auto|on|off] [--swiglu-tiles R,C,W/R,C,W] [--flex-options JSON]
-        [--concat-projections auto|on|off] [--keep-logits auto|on|off]
+        [--concat-projections auto|on|off] [--keep-logits auto|on|off] [--inductor JSON]
 
 Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
 decoder layers compiled on a GPU (`compile`, rank-1 LoRA as fused element-wise work).
@@ -59,6 +59,20 @@ def fsdp2_shard(model) -> None:
     for layer in inner.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(inner, mp_policy=mp, ignored_params={inner.embed_tokens.weight})
+
+
+def set_inductor_config(values: dict) -> None:
+    """Set torch._inductor.config entries (dotted names for sub-configs: "triton.multi_kernel") before compiling."""
+    import torch._inductor.config as config
+
+    for name, value in values.items():
+        *parents, leaf = name.split(".")
+        target = config
+        for part in parents:
+            target = getattr(target, part)
+        if not hasattr(target, leaf):
+            raise ValueError(f"torch._inductor.config has no {name}")
+        setattr(target, leaf, value)
 
 
 def swiglu_tiles() -> dict | None:
@@ -123,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the fused MLP's tiles as rows,cols,warps/rows,cols,warps (forward/backward; default: the kernel's)",
     )
     p.add_argument("--flex-options", default="", help="flex attention's kernel_options as JSON (default: flex's)")
+    p.add_argument(
+        "--inductor",
+        default="",
+        help="torch._inductor.config values for the compiled layers as JSON, e.g. "
+        "'{\"coordinate_descent_tuning\": true}' (default: inductor's)",
+    )
     p.add_argument(
         "--concat-projections",
         default="auto",
@@ -200,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         import trainer.packing
 
         trainer.packing.FLEX_KERNEL_OPTIONS = json.loads(args.flex_options)
+    inductor = json.loads(args.inductor) if args.inductor else {}
+    set_inductor_config(inductor)
     if args.swiglu_tiles:
         from trainer.kernels import swiglu_lora
 
@@ -341,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "concat_projections": concat_layers,  # modules running q/k/v or gate/up as one product
         "keep_logits": logprob_head.KEEP_LOGITS,
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
+        "inductor": inductor or None,
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,
