@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from bucket.manifest import RunSpec
+from tests.trainer.conftest import lora_model
 from trainer.kernels import projections
 from trainer.kernels.projections import CONCAT_ATTR
-from trainer.model import fuse_lora_mlps, wrap_lora
+from trainer.model import fuse_lora_mlps
 
 SHAPE = dict(
     hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -31,15 +31,7 @@ def test_concatenated_products_train_as_the_separate_layers(family, one_thread, 
     cfg = Qwen2Config(**SHAPE) if family == "qwen2" else Qwen3Config(**SHAPE, head_dim=16)
     cls = Qwen2ForCausalLM if family == "qwen2" else Qwen3ForCausalLM
 
-    def model():
-        torch.manual_seed(0)
-        m = wrap_lora(cls(cfg), RunSpec())
-        for name, p in m.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero, which would leave every A gradient zero
-                p.data.normal_(0, 0.1)
-        return m
-
-    ref, fused = model(), model()
+    ref, fused = lora_model(cls, cfg), lora_model(cls, cfg)
     names = [n for n, _ in fused.named_parameters()]
     assert fuse_lora_mlps(fused, concat=True) == 2
     assert [n for n, _ in fused.named_parameters()] == names

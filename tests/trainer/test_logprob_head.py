@@ -8,14 +8,9 @@ benchmarks/trainer_fused_check.py --keep-logits, run by hand.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 
+from tests.trainer.conftest import run_in_triton_interpreter
 from trainer.kernels.logprob_head import FullVocabLogProbs, KeptLogitsLogProbs, keeps_logits
 
 
@@ -71,13 +66,7 @@ print(json.dumps(out))
 
 
 def test_the_triton_kernels_equal_the_formulas_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    diffs = json.loads(done.stdout.strip().splitlines()[-1])
+    diffs = run_in_triton_interpreter(INTERPRETED)
     assert set(diffs) == {"torch.float32", "torch.bfloat16"}
     for dtype, values in diffs.items():
         # lse, log p, entropy, the gradient (bf16: one rounding of the stored gradient apart at most)

@@ -8,18 +8,12 @@ The GPU check (loss and gradients of whole layers in bf16) is benchmarks/trainer
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from bucket.manifest import RunSpec
+from tests.trainer.conftest import lora_model, run_in_triton_interpreter
 from trainer.kernels.swiglu_lora import swiglu_lora
-from trainer.model import fuse_lora_mlps, wrap_lora
+from trainer.model import fuse_lora_mlps
 
 
 def plain(gb, ub, mg, mu, bg, bu, ad):
@@ -76,13 +70,7 @@ print(json.dumps(out))
 
 
 def test_the_triton_kernels_equal_the_formulas_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    diffs = json.loads(done.stdout.strip().splitlines()[-1])
+    diffs = run_in_triton_interpreter(INTERPRETED)
     assert set(diffs) == {"45", "600"}
     for n, values in diffs.items():
         # h, h.ad, the seven gradients; then packed: h, h.ad, the six gradients
@@ -95,15 +83,7 @@ def test_a_fused_model_trains_as_the_unfused_one(one_thread):
         vocab_size=100,
     )  # fmt: skip
 
-    def model():
-        torch.manual_seed(0)
-        m = wrap_lora(Qwen2ForCausalLM(cfg), RunSpec())
-        for name, p in m.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero, which would leave every A gradient zero
-                p.data.normal_(0, 0.1)
-        return m
-
-    ref, fused = model(), model()
+    ref, fused = lora_model(Qwen2ForCausalLM, cfg), lora_model(Qwen2ForCausalLM, cfg)
     assert fuse_lora_mlps(fused) == 2
     ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(2))
     for m in (ref, fused):
