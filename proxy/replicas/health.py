@@ -6,8 +6,11 @@ generation lately is busy, not dead: a saturated vLLM queues /health behind
 its batch, so a timeout then only stretches the next one instead of ejecting
 it (the passive signal, answers, comes first). A replica that holds requests
 but has answered none lately (a first wave of long completions, each longer
-than the grace) is given the benefit of the doubt up to `probe_timeout_max_s`:
-its timeouts stretch until /health has been silent for that long.
+than the grace) gets the benefit of the doubt once: one timeout stretches the
+next (4x), and a second in a row ejects it. So a saturated replica whose
+/health is late once is kept, and a dead one holding requests is still out
+within probe_timeout_s + 4 x probe_timeout_s and two probe intervals (its
+connections closing eject it sooner: the request path's signal).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class HealthChecks:
         self.eject = eject
         self.latency: dict[str, float] = {}  # replica -> smoothed seconds of its answered /health probes
         self.busy_timeouts: dict[str, int] = {}  # /health ran out of time while the replica was answering
+        # replicas whose /health ran out of time while they held requests they had not answered: the one stretch
+        # given; cleared by any /health answered in time or any generation answered
+        self.doubted: set[str] = set()
 
     def timeout(self, replica_id: str) -> float:
         """The time a replica's /health is given: 4x its observed latency, within the configured bounds."""
@@ -51,16 +57,26 @@ class HealthChecks:
         if answer.problem is None:
             seen = self.latency.get(rid)
             self.latency[rid] = answer.seconds if seen is None else 0.8 * seen + 0.2 * answer.seconds
+            self.doubted.discard(rid)
             return
-        working = self.state.router.inflight(rid) > 0 and timeout < self.state.config.probe_timeout_max_s
-        if answer.timed_out and (self.busy(rid) or working):
-            # A saturated replica queues /health behind its generation; it is answering (or holds requests and
-            # has not yet been silent for the longest timeout), so it is alive: give its /health longer next time
-            # instead of ejecting it.
-            self.latency[rid] = max(self.latency.get(rid, 0.0), timeout)
-            self.busy_timeouts[rid] = self.busy_timeouts.get(rid, 0) + 1
+        if answer.timed_out and self.busy(rid):
+            # A saturated replica queues /health behind its generation; it is answering, so it is alive: give its
+            # /health longer next time instead of ejecting it.
+            self.doubted.discard(rid)
+            self._stretch(rid, timeout)
             return
+        if answer.timed_out and self.state.router.inflight(rid) > 0 and rid not in self.doubted:
+            # It holds requests but answered none lately (the first wave of long completions): busy or dead.
+            # Once, the benefit of the doubt.
+            self.doubted.add(rid)
+            self._stretch(rid, timeout)
+            return
+        self.doubted.discard(rid)
         self.eject(info, answer.problem)
+
+    def _stretch(self, rid: str, timeout: float) -> None:
+        self.latency[rid] = max(self.latency.get(rid, 0.0), timeout)
+        self.busy_timeouts[rid] = self.busy_timeouts.get(rid, 0) + 1
 
     async def run(self) -> None:
         running: dict[str, asyncio.Task] = {}

@@ -261,9 +261,10 @@ def test_a_busy_replica_whose_health_is_slow_is_not_ejected(run_store):
 
 def test_a_replica_holding_long_generations_is_not_ejected_before_its_first_answer(run_store):
     """The first wave of long completions: the replica holds requests, has answered none (so it is not busy by its
-    answers), and its /health is slow (1.5 s, beyond the 0.5 s floor). It is working, not dead: its timeout
-    stretches instead of ejecting it. One that then answers nothing at all, requests held, is still ejected once its
-    /health has been silent for the longest timeout. Loopback fakes: no real vLLM can delay /health on demand."""
+    answers), and its /health is slow (1.5 s, beyond the 0.5 s floor). It gets the benefit of the doubt once: its
+    timeout stretches (4 x 0.5 s) instead of ejecting it, and /health answers within it. One that then answers
+    nothing at all, requests held, is ejected at its second /health timeout in a row. Loopback fakes: no real
+    vLLM can delay /health on demand."""
     store, manifest = run_store
 
     async def body():
@@ -291,7 +292,8 @@ def test_a_replica_holding_long_generations_is_not_ejected_before_its_first_answ
                 await asyncio.sleep(0.01)
             t0 = time.monotonic()
             while up.url in proxy.routable:
-                assert time.monotonic() - t0 < 30, "a frozen replica holding requests was never ejected"
+                # the bound by design: 2 probe intervals + 0.5 s + 2 s, from whenever its last probe began
+                assert time.monotonic() - t0 < 15, "a frozen replica holding requests was never ejected"
                 await asyncio.sleep(0.05)
             assert "did not answer" in proxy.membership.ejected[up.url]
             held.cancel()
@@ -498,8 +500,11 @@ def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(
     its canary) is live: it must hold that version, and pass its probe, before it gets traffic. Rollout groups
     then flow through the proxy's real server and the rollout worker's Generator, and the third replica is
     SIGKILLed (vLLM and its sidecar) while it has requests in flight: every group must complete with all its
-    samples, and the replica must be ejected within about a second of the kill (the bound by design is
-    probe_interval_s + probe_timeout_s = 1 s; on this shared 2-core machine the event loop's lag adds to it).
+    samples, and the replica must be ejected within the design's bound: it holds requests it has not answered yet
+    (killed 0.3 s into its first wave), so a first /health timeout (0.75 s) is given the benefit of the doubt
+    once, and the next (4 x 0.75 s) ejects: 2 x probe_interval_s + 5 x probe_timeout_s = 4.25 s, plus the event
+    loop's lag on this shared 2-core machine. Its connections closing eject it sooner when the kernel closes them
+    quickly (a SIGKILLed vLLM frees its memory first, which took seconds here).
     It runs with an API key (which the proxy sends to every replica; the session's two have none): its vLLM
     refuses /v1/* without it, and the key is on no command line and in no log."""
     from bucket import adapters, layout
@@ -540,7 +545,7 @@ def test_a_replica_joins_with_the_live_version_then_is_killed_mid_traffic(
     groups, ejected_after_s, retries = result
     assert not any(key in f.read_text(errors="replace") for f in logs.iterdir())
     assert len(groups) == 6 and all(len(g) == 8 for g in groups)
-    assert ejected_after_s <= 2.0, ejected_after_s
+    assert ejected_after_s <= 5.0, ejected_after_s
     print("ejected", round(ejected_after_s, 3), "s after the kill; retries", retries)
     # This test's version reached the joiner before its admission. Only this version's loads count: the proxy
     # also adopts, and gives the joiner, any version an earlier test left on the session's replicas.
