@@ -5,6 +5,9 @@ each option set, beside flex's defaults (issue 32: its backward is 11-16 % of th
 
 The row is the trainer's: the first row trainer/packing.py builds from a long-tail step (benchmarks/trainer_shapes
 make_groups), its block mask as the trainer makes it. An option set flex rejects is reported with its error.
+The set "varlen" is not flex but the trainer's other GPU kernel, one variable-length FlashAttention call
+(trainer/kernels/tree_attention.py), timed and compared the same way. Differences are over the row's real
+positions (the output gradient is zero on its pads, which the two kernels let attend differently).
 A JSON object is printed after each option set (the last line holds them all).
 """
 
@@ -16,7 +19,7 @@ import sys
 
 from benchmarks.trainer_shapes import SHAPES, make_groups
 
-OPTION_SETS: list[dict] = [
+OPTION_SETS: list[dict | str] = [
     {},
     {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64},
     {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps": 8, "num_stages": 2},
@@ -32,6 +35,7 @@ OPTION_SETS: list[dict] = [
     {"USE_TMA": True},
     {"fwd_USE_TMA": True},
     {"USE_TMA": True, **{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}, "bwd_num_warps": 4},
+    "varlen",  # 13: FlashAttention's varlen kernel over the row's sequences (trainer/kernels/tree_attention.py)
 ]
 
 
@@ -51,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.testing import do_bench
 
     from trainer.grpo import LossConfig, advantages, completions
+    from trainer.kernels import tree_attention
     from trainer.packing import block_mask, build, row_quantum, rows
 
     _, shape = SHAPES[args.shape]
@@ -68,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     k = torch.randn(1, kv_heads, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, kv_heads, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(1, heads, t, head_dim, device="cuda", dtype=torch.bfloat16)
+    g[:, :, mb.tokens :] = 0  # the pads' outputs feed nothing
+    tree_attention.set_row(tree_attention.varlen_row(mb.blocks, mb.tokens, t).to("cuda"))
     flex = torch.compile(flex_attention)
     out: dict = {"benchmark": "flex_sweep", "gpu": torch.cuda.get_device_name(), "row_tokens": t, "sets": []}
     ref = None
@@ -75,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     for options in chosen:
         kw = {"kernel_options": options} if options else {}
 
-        def fwd(kw=kw):
+        def fwd(kw=kw, varlen=options == "varlen"):
+            if varlen:  # [1, T, H, D] -> flex's [1, H, T, D]
+                return tree_attention.tree_attention(q, k, v, head_dim**-0.5).transpose(1, 2)
             return flex(q, k, v, block_mask=mask, scale=head_dim**-0.5, enable_gqa=True, **kw)
 
         def fwd_bwd(fwd=fwd):
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
         entry: dict = {"options": options}
         try:
-            o = fwd()
+            o = fwd()[:, :, : mb.tokens]
             fwd_bwd()
             grads = [x.grad.float() for x in (q, k, v)]
             if ref is None:

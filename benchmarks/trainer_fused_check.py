@@ -2,11 +2,13 @@
 
     python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all] [--fused-mlp]
         [--concat-projections] [--keep-logits] [--flex-options JSON] [--inductor JSON]
+        [--attention varlen]
 
 The same random weights (and a random, non-zero LoRA B, so that every LoRA gradient is non-zero) run one
 long-tail step's rows three ways: the reference (layers compiled, no fused MLP, no concatenated products, TRL's
 chunked log-prob), the same eager, and the candidate (`--liger` parts, `--fused-mlp`, `--concat-projections` with
-it, `--keep-logits`, flex's `--flex-options`, `--inductor` config values, compiled). bf16 rounding makes any two
+it, `--keep-logits`, flex's `--flex-options`, `--inductor` config values, `--attention varlen`: FlashAttention's
+varlen kernel instead of flex, compiled). bf16 rounding makes any two
 kernel orders differ a little; the candidate passes when it is no farther from the default than the eager path is
 (x `--slack`), and its gradients point the same way (cosine >= 0.999). The last line is one JSON object.
 """
@@ -53,6 +55,8 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidat
 
         if args.flex_options:
             trainer.packing.FLEX_KERNEL_OPTIONS = json.loads(args.flex_options)
+        if args.attention:
+            trainer.packing.GPU_ATTENTION = args.attention
         set_inductor_config(json.loads(args.inductor) if args.inductor else {})
     if compile_:
         compile_layers(model)
@@ -93,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-logits", action="store_true", help="the LM head keeps its logits for the backward")
     p.add_argument("--flex-options", default="", help="the candidate's flex kernel_options as JSON")
     p.add_argument("--inductor", default="", help="the candidate's torch._inductor.config values as JSON")
+    p.add_argument("--attention", default="", choices=["", "flex", "varlen"], help="the candidate's GPU attention")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=8192)
@@ -121,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "keep_logits": args.keep_logits,
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "inductor": json.loads(args.inductor) if args.inductor else None,
+        "attention": args.attention or None,
         "loss": default[0],
         "eager_vs_default": eager,
         "fused_vs_default": fused,

@@ -212,6 +212,23 @@ print(json.dumps(best['options']) if t(best) < 0.97 * t(r[0]) else '')
     bench cdt_longtail 150 "${LT[@]}" --inductor '{"coordinate_descent_tuning": true}'
     bench base_longtail2 60 "${LT[@]}"
     ;;
+o)
+    # 2026-12-06, third session: FlashAttention's varlen kernel for the tree mask (trainer/kernels/tree_attention.py)
+    # against flex: alone on one row (equality and time), the step's equality, then both shapes with and without
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.backends.cuda.is_flash_attention_available())"
+    } >>"$LOG" 2>&1
+    ROW=$(python3 -c "import torch; print(32768 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 16384)")
+    run varlen_sweep 80 benchmarks.flex_sweep --token-budget "$ROW" --sets 0,7,13
+    run fused_check_varlen 110 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits \
+        --attention varlen
+    bench varlen_longtail 120 "${LT[@]}" --attention varlen --profile "$OUT/prof_longtail_varlen.txt"
+    bench base_longtail 70 "${LT[@]}"
+    bench varlen_fixed 70 "${FIX[@]}" --attention varlen
+    bench base_fixed 60 "${FIX[@]}"
+    bench varlen_longtail2 50 "${LT[@]}" --attention varlen
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

@@ -3,7 +3,7 @@
     python -m benchmarks.trainer_step --json [--shape smollm2-135m|qwen2.5-1.5b|qwen2.5-7b|qwen3-8b]
         [--lengths fixed|longtail] [--device cuda] [--groups N] [--token-budget T] [--no-compile] [--fresh]
         [--liger all|rms_norm,swiglu,rope] [--lora-targets q_proj,...] [--masked-fraction F]
-        [--fused-mlp auto|on|off] [--swiglu-tiles R,C,W/R,C,W] [--flex-options JSON]
+        [--fused-mlp auto|on|off] [--swiglu-tiles R,C,W/R,C,W] [--flex-options JSON] [--attention flex|varlen]
         [--concat-projections auto|on|off] [--keep-logits auto|on|off] [--inductor JSON]
 
 Defaults are the trainer's: the token budget chosen from the device (trainer/model.py default_token_budget),
@@ -83,6 +83,17 @@ def swiglu_tiles() -> dict | None:
     return {**CONFIG, "waves": WAVES}
 
 
+def attention_kernel(device) -> str:
+    """The attention kernel packed rows ran with: "flex" or "varlen" on a GPU, per-block sdpa on a CPU."""
+    import trainer.packing
+    from trainer.kernels import tree_attention
+
+    if device.type != "cuda":
+        return "sdpa"
+    varlen = trainer.packing.GPU_ATTENTION == trainer.packing.VARLEN and tree_attention.available(device)
+    return "varlen" if varlen else "flex"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
@@ -137,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the fused MLP's tiles as rows,cols,warps/rows,cols,warps (forward/backward; default: the kernel's)",
     )
     p.add_argument("--flex-options", default="", help="flex attention's kernel_options as JSON (default: flex's)")
+    p.add_argument("--attention", default="", choices=["", "flex", "varlen"], help="the GPU's attention kernel")
     p.add_argument(
         "--inductor",
         default="",
@@ -220,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         import trainer.packing
 
         trainer.packing.FLEX_KERNEL_OPTIONS = json.loads(args.flex_options)
+    if args.attention:
+        import trainer.packing
+
+        trainer.packing.GPU_ATTENTION = args.attention
     inductor = json.loads(args.inductor) if args.inductor else {}
     set_inductor_config(inductor)
     if args.swiglu_tiles:
@@ -364,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "keep_logits": logprob_head.KEEP_LOGITS,
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "inductor": inductor or None,
+        "attention": attention_kernel(device),
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,

@@ -7,7 +7,8 @@ Units are packed first-fit-decreasing into micro-batches of at most
 `token_budget` tokens (a group larger than that is split, its prompt repeated),
 and each micro-batch is one row: per-sequence position ids and a
 block-diagonal causal mask, run by `packed_attention` (one sdpa call per
-block on CPU, flex attention with a block mask on GPU).
+block on CPU; on GPU flex attention with a block mask, or one variable-length
+FlashAttention call, `GPU_ATTENTION`).
 
 A completion's last token is never an input (it predicts nothing we train),
 so a completion of C tokens adds C - 1 tokens to the row; its first token is
@@ -33,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.kernels import ChunkedLogProbFunction
 
+from trainer.kernels import tree_attention
 from trainer.kernels.logprob_head import FULL_VOCAB_MAX, FullVocabLogProbs, KeptLogitsLogProbs, keeps_logits
 
 PACKED_ATTENTION = "brigade_packed"
@@ -285,6 +287,24 @@ def attend_blocks(q, k, v, blocks: list[tuple[int, int, int, int]], scale: float
     return torch.cat(out, dim=2)
 
 
+# The GPU's attention kernel for packed rows: "flex" (flex attention over a block mask) or "varlen" (one
+# variable-length FlashAttention call, trainer/kernels/tree_attention.py; where it runs, else flex).
+GPU_ATTENTION = "flex"
+VARLEN = "varlen"  # the `packing` value that selects tree_attention (its row set by set_row)
+
+
+def row_attention(mb: MicroBatch) -> BlockMask | list[tuple[int, int, int, int]] | str:
+    """What the model's `packing` kwarg carries for this row: the block list on a CPU, and on a GPU flex's block
+    mask or, for FlashAttention, the row's sequences set aside (`tree_attention.set_row`) and the VARLEN marker."""
+    device = mb.input_ids.device
+    if device.type != "cuda":
+        return mb.blocks
+    if GPU_ATTENTION == VARLEN and tree_attention.available(device):
+        tree_attention.set_row(tree_attention.varlen_row(mb.blocks, mb.tokens, mb.input_ids.shape[1]).to(device))
+        return VARLEN
+    return block_mask(mb)
+
+
 _FLEX = None
 # flex attention's kernel_options for packed rows (None: flex's own); candidates in benchmarks/flex_sweep.py
 FLEX_KERNEL_OPTIONS: dict | None = None
@@ -302,11 +322,13 @@ def _flex():
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packing=None, **kwargs):
     """transformers' attention interface for packed rows.
 
-    `packing` (a forward kwarg) is a flex BlockMask on the GPU or the row's block list on the CPU; without it,
-    plain causal sdpa (an unpacked batch without padding).
+    `packing` (a forward kwarg, from row_attention) is a flex BlockMask or VARLEN on the GPU, the row's block list
+    on the CPU; without it, plain causal sdpa (an unpacked batch without padding).
     """
     if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    if isinstance(packing, str):
+        return tree_attention.tree_attention(query, key, value, scaling), None
     if isinstance(packing, BlockMask):
         kw = {"block_mask": packing, "scale": scaling, "enable_gqa": True, "kernel_options": FLEX_KERNEL_OPTIONS}
         out = _flex()(query, key, value, **kw)
@@ -347,7 +369,7 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
         hidden = lm.base_model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
-            packing=block_mask(mb) if mb.input_ids.device.type == "cuda" else mb.blocks,
+            packing=row_attention(mb),
             use_cache=False,
         ).last_hidden_state[0]
         # logits / T = (h / T) @ W^T: the temperature goes on the hidden states, one per token
