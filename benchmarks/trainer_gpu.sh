@@ -221,6 +221,13 @@ o)
     } >>"$LOG" 2>&1
     ROW=$(python3 -c "import torch; print(32768 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 16384)")
     run varlen_sweep 80 benchmarks.flex_sweep --token-budget "$ROW" --sets 0,7,13
+    # the rest only if the kernel ran and agrees with flex on the row (else the device time goes back)
+    python3 -c "
+import json, sys
+r = [d for d in map(json.loads, open('$OUT/results.jsonl')) if d['run'] == 'varlen_sweep'][-1]['result']
+v = r['sets'][-1]
+sys.exit(0 if 'error' not in v and v['out_rel_diff'] < 0.02 and v['grad_rel_diff'] < 0.05 else 1)
+" 2>>"$LOG" || { echo "varlen failed on the row: stopping" >>"$LOG"; cat "$OUT/results.jsonl"; exit 0; }
     run fused_check_varlen 110 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits \
         --attention varlen
     bench varlen_longtail 120 "${LT[@]}" --attention varlen --profile "$OUT/prof_longtail_varlen.txt"
