@@ -1,10 +1,11 @@
 """The GPU's FlashAttention layout of a packed row (trainer/kernels/tree_attention.py), checked on a CPU.
 
-FlashAttention itself does not run on a CPU, so its varlen call is written out here as what it computes (one
-causal attention per sequence, the mask aligned bottom-right: query i of Lq sees keys 0 .. Lk - Lq + i) and the
-layout `varlen_row` builds is checked against the CPU path's `attend_blocks`, which is the tree mask by
-construction. That the kernel aligns its causal mask bottom-right is checked on a GPU
-(`benchmarks.trainer_fused_check --attention varlen`, docs/trainer-gpu.md).
+FlashAttention itself does not run on a CPU: there the module's ops compute what its varlen call computes, one
+causal attention per sequence with the mask aligned bottom-right, and the layout `varlen_row` builds is checked
+against the CPU path's `attend_blocks`, which is the tree mask by construction, eager and inside compiled layers
+(the ops' autograd, and the row read at run time, not traced). That the GPU kernel aligns its causal mask
+bottom-right is checked on a GPU (`benchmarks.flex_sweep --sets 0,13`, `benchmarks.trainer_fused_check
+--attention varlen`; docs/trainer-gpu.md).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from trainer.kernels.tree_attention import VarlenRow, varlen_row
+import trainer.packing as P
+from tests.trainer.conftest import lora_model
+from trainer.grpo import LossConfig, accumulate
+from trainer.kernels.tree_attention import set_row, tree_attention, varlen_row
+from trainer.model import compile_layers
 from trainer.packing import Completion, attend_blocks, pack
 
 
@@ -29,21 +33,6 @@ def _row(pad_to: int):
         groups.append((prompt, comps))
     (mb,) = pack(groups, 10_000, pad_to=pad_to)
     return mb
-
-
-def _flash_varlen_by_hand(q, k, v, row: VarlenRow, scale: float):
-    """q [Tq, Hq, D], k and v gathered [Tk, Hkv, D]: causal attention per sequence, aligned bottom-right."""
-    out = []
-    cu_q, cu_k = row.cu_q.tolist(), row.cu_k.tolist()
-    for i in range(len(cu_q) - 1):
-        qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)[None]
-        ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
-        vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
-        lq, lk = qs.shape[2], ks.shape[2]
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out.append(o[0].transpose(0, 1))
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("pad_to", [1, 64])
@@ -66,9 +55,8 @@ def test_the_varlen_layout_computes_the_tree_mask_of_the_row(pad_to):
     v = torch.randn(1, hkv, t, d, dtype=torch.float64, requires_grad=True)
     scale = d**-0.5
     want = attend_blocks(q, k, v, mb.blocks, scale)[0].transpose(0, 1)  # [T, Hq, D]
-    kg = k[0].transpose(0, 1).index_select(0, row.kv_index)
-    vg = v[0].transpose(0, 1).index_select(0, row.kv_index)
-    got = _flash_varlen_by_hand(q[0].transpose(0, 1), kg, vg, row, scale)
+    set_row(row)
+    got = tree_attention(q, k, v, scale)[0]
     real = mb.tokens  # pads attend differently (to each other) and predict nothing
     torch.testing.assert_close(got[:real], want[:real])
 
@@ -85,3 +73,49 @@ def test_blocks_that_do_not_cover_the_row_are_refused():
         varlen_row([(0, 3, 0, 0), (4, 6, 0, 3)], 6, 6)
     with pytest.raises(ValueError, match="the row has 8 real ones"):
         varlen_row([(0, 3, 0, 0), (3, 6, 0, 3)], 8, 8)
+
+
+def test_compiled_layers_train_through_the_varlen_ops_as_through_the_cpu_path(monkeypatch):
+    """A tiny Qwen2 (GQA, q/k/v biases) with rank-1 LoRA: one step's loss and LoRA gradients with its layers
+    compiled and attention through the varlen ops equal the eager per-block path's, over two rows of different
+    layouts (the second row's sequences must be read at run time, not baked into the compiled graph)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    rng = random.Random(5)
+
+    def completion(n: int, advantage: float) -> Completion:
+        return Completion([rng.randrange(5, 250) for _ in range(n)], [-1.0] * n, advantage, 0.05, 1.0)
+
+    groups = []
+    for _ in range(4):
+        prompt = [rng.randrange(5, 250) for _ in range(rng.randint(3, 8))]
+        groups.append((prompt, [completion(rng.randint(2, 9), a) for a in (1.0, -0.5, 0.25)]))
+
+    def step(varlen: bool):
+        model = lora_model(Qwen2ForCausalLM, cfg)
+        model.get_base_model().set_attn_implementation(P.PACKED_ATTENTION)
+        if varlen:
+            compile_layers(model)
+
+            def row_attention(mb):
+                set_row(varlen_row(mb.blocks, mb.tokens, mb.input_ids.shape[1]))
+                return P.VARLEN
+
+            monkeypatch.setattr(P, "row_attention", row_attention)
+        rows = P.rows(groups, 40)
+        assert len(rows) >= 2  # more than one layout through the same compiled layers
+        sums = accumulate(model, (P.build(units, 16) for units in rows), LossConfig())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        monkeypatch.undo()
+        return float(sums[1]), grads
+
+    loss_ref, grads_ref = step(varlen=False)
+    loss, grads = step(varlen=True)
+    assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-6)
+    assert grads.keys() == grads_ref.keys() and all(g.abs().sum() > 0 for g in grads_ref.values())
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -9,12 +9,12 @@ flex attention computes whole 128 x 128 blocks of the row (62-65 % of them neede
 docs/trainer-gpu.md) and evaluates the mask function on every element of the partial ones.
 
 The keys and values are gathered per sequence (a prompt's K and V once per completion of its unit: a few thousand
-rows of [kv heads, head_dim], small beside the queries); the gather's backward sums them back. FlashAttention's
+rows of [kv heads, head_dim], small beside the queries); the backward sums their gradients back. FlashAttention's
 backward accumulates dQ with atomics, so two backward passes may differ in the last bit (as flex's do not).
 
-The call runs outside the compiled layer (a graph break): its sequence lengths differ from row to row, and as
-graph inputs they would recompile the layer for every row. The row's layout is set once per row (`set_row`) and
-read by every layer, as flex's block mask is built once per row.
+The row's layout is set once per row (`set_row`, before its forward; its backward reads the same) and read by
+every layer, as flex's block mask is built once per row. On a CPU the same ops compute the attention sequence by
+sequence (tests check the layout there; the trainer's CPU path is trainer/packing.py's attend_blocks).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 
 @dataclass
@@ -33,6 +34,7 @@ class VarlenRow:
     kv_index: torch.Tensor  # [K] long: the row position of every gathered key
     max_q: int
     max_k: int
+    total: int  # the row's positions (queries)
 
     def to(self, device: torch.device | str) -> VarlenRow:
         pin = torch.device(device).type == "cuda"
@@ -40,7 +42,7 @@ class VarlenRow:
         def move(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
-        return VarlenRow(move(self.cu_q), move(self.cu_k), move(self.kv_index), self.max_q, self.max_k)
+        return VarlenRow(move(self.cu_q), move(self.cu_k), move(self.kv_index), self.max_q, self.max_k, self.total)
 
 
 def varlen_row(blocks: list[tuple[int, int, int, int]], real: int, total: int) -> VarlenRow:
@@ -70,52 +72,141 @@ def varlen_row(blocks: list[tuple[int, int, int, int]], real: int, total: int) -
     def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype)
 
-    return VarlenRow(t(cu_q, torch.int32), t(cu_k, torch.int32), t(index, torch.long), max_q, max_k)
-
-
-class _FlashVarlen(torch.autograd.Function):
-    """Causal (bottom-right) variable-length FlashAttention: q [Tq, Hq, D], k and v [Tk, Hkv, D]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None):
-        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
-        ctx.shape = (max_q, max_k, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
-        max_q, max_k, scale = ctx.shape
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
-        )
-        return dq, dk, dv, None, None, None, None, None
+    return VarlenRow(t(cu_q, torch.int32), t(cu_k, torch.int32), t(index, torch.long), max_q, max_k, max(total, real))
 
 
 _ROW: VarlenRow | None = None
 
 
 def set_row(row: VarlenRow) -> None:
-    """The row the next forward attends over (every layer reads it)."""
+    """The row the next forward (and its backward) attends over: every layer reads it."""
     global _ROW
     _ROW = row
 
 
-@torch.compiler.disable
-def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """transformers' [1, H, T, D] query, key and value of the current row -> the attention output [1, T, Hq, D]."""
+def _row(q: Tensor) -> VarlenRow:
     row = _ROW
     if row is None:
         raise RuntimeError("tree_attention needs the row's layout: call set_row first")
+    if q.shape[0] != row.total:
+        raise RuntimeError(f"tree_attention: the row set has {row.total} positions, the queries {q.shape[0]}")
+    return row
+
+
+def _sequences(row: VarlenRow):
+    cu_q, cu_k = row.cu_q.tolist(), row.cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        yield slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+
+
+def _probabilities(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """softmax of one sequence's scores [Hq, Lq, Lk] (k [Lk, Hq, D], its heads already repeated for GQA), the
+    causal mask aligned bottom-right: query i of Lq sees keys 0 .. Lk - Lq + i."""
+    lq, lk = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+
+def _by_sequence(q: Tensor, kg: Tensor, vg: Tensor, row: VarlenRow, scale: float) -> Tensor:
+    """What the varlen kernel computes, written out (CPU): one causal attention per sequence."""
+    group = q.shape[1] // kg.shape[1]
+    out = torch.empty_like(q)
+    for sq, sk in _sequences(row):
+        k, v = kg[sk].repeat_interleave(group, 1), vg[sk].repeat_interleave(group, 1)
+        out[sq] = torch.einsum("hqk,khd->qhd", _probabilities(q[sq], k, scale), v)
+    return out
+
+
+def _by_sequence_backward(grad: Tensor, q: Tensor, kg: Tensor, vg: Tensor, row: VarlenRow, scale: float):
+    """The gradients of _by_sequence (CPU; a custom op's body runs without autograd)."""
+    hq, hkv = q.shape[1], kg.shape[1]
+    group = hq // hkv
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kg), torch.zeros_like(vg)
+    for sq, sk in _sequences(row):
+        k, v = kg[sk].repeat_interleave(group, 1), vg[sk].repeat_interleave(group, 1)
+        p = _probabilities(q[sq], k, scale)  # [Hq, Lq, Lk]
+        g = grad[sq]  # [Lq, Hq, D]
+        dp = torch.einsum("qhd,khd->hqk", g, v)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq[sq] = torch.einsum("hqk,khd->qhd", ds, k)
+        lk = k.shape[0]
+        dk[sk] = torch.einsum("hqk,qhd->khd", ds, q[sq]).reshape(lk, hkv, group, -1).sum(2)
+        dv[sk] = torch.einsum("hqk,qhd->khd", p, g).reshape(lk, hkv, group, -1).sum(2)
+    return dq, dk, dv
+
+
+def _gather(k: Tensor, v: Tensor, row: VarlenRow) -> tuple[Tensor, Tensor]:
+    return k.index_select(0, row.kv_index), v.index_select(0, row.kv_index)
+
+
+# Both passes are custom ops, opaque to torch.compile: the compiled layer stays one graph (as with flex), and the
+# row's sequences, whose number and lengths differ from row to row, never become graph inputs (which would
+# recompile the layer for every row); the ops read them from set_row at run time.
+@torch.library.custom_op("brigade::tree_attention", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    row = _row(q)
+    kg, vg = _gather(k, v, row)
+    if q.is_cuda:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, kg, vg, row.cu_q, row.cu_k, row.max_q, row.max_k, 0.0, True, False, scale=scale
+        )
+        return out, lse
+    return _by_sequence(q, kg, vg, row, scale), q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@_forward_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("brigade::tree_attention_backward", mutates_args=())
+def _backward_op(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    row = _row(q)
+    kg, vg = _gather(k, v, row)
+    if q.is_cuda:
+        rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+        dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
+            grad, q, kg, vg, out, lse, row.cu_q, row.cu_k, row.max_q, row.max_k, 0.0, True, rng, unused, scale=scale
+        )
+    else:
+        dq, dkg, dvg = _by_sequence_backward(grad, q, kg, vg, row, scale)
+    # a prompt's key and value gradients summed over its completions in fp32 (as flex's kernel accumulates them),
+    # rounded once
+    acc = torch.promote_types(k.dtype, torch.float32)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device).index_add_(0, row.kv_index, dkg.to(acc))
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device).index_add_(0, row.kv_index, dvg.to(acc))
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_backward_op.register_fake
+def _(grad, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*_backward_op(grad_out.contiguous(), q, k, v, out, lse, ctx.scale), None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup)
+
+
+def tree_attention(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    """transformers' [1, H, T, D] query, key and value of the row set -> the attention output [1, T, Hq, D]."""
     q = query[0].transpose(0, 1).contiguous()
-    # gathered in fp32 so that the backward sums a prompt's key and value gradients over its completions in fp32
-    # (as flex's kernel accumulates them) and rounds once; K and V are 1/6 of Q's width, so this is small
-    k = key[0].transpose(0, 1).float().index_select(0, row.kv_index).to(q.dtype)
-    v = value[0].transpose(0, 1).float().index_select(0, row.kv_index).to(q.dtype)
-    out = _FlashVarlen.apply(q, k, v, row.cu_q, row.cu_k, row.max_q, row.max_k, scale)
+    k = key[0].transpose(0, 1).to(q.dtype).contiguous()
+    v = value[0].transpose(0, 1).to(q.dtype).contiguous()
+    out, _ = _forward_op(q, k, v, float(scale if scale is not None else q.shape[-1] ** -0.5))
     return out.unsqueeze(0)
 
 
