@@ -236,6 +236,13 @@ sys.exit(0 if 'error' not in v and v['out_rel_diff'] < 0.02 and v['grad_rel_diff
     bench base_fixed 60 "${FIX[@]}"
     bench varlen_longtail2 50 "${LT[@]}" --attention varlen
     ;;
+p)
+    # varlen the default: compiles with fresh data every step, then the 7B and 8B shapes
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench fresh_longtail 150 "${LT[@]}" --fresh --steps 8
+    bench q7b_longtail 130 --shape qwen2.5-7b --lengths longtail
+    bench q8b_longtail 120 --shape qwen3-8b --lengths longtail
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

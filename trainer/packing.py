@@ -287,9 +287,11 @@ def attend_blocks(q, k, v, blocks: list[tuple[int, int, int, int]], scale: float
     return torch.cat(out, dim=2)
 
 
-# The GPU's attention kernel for packed rows: "flex" (flex attention over a block mask) or "varlen" (one
-# variable-length FlashAttention call, trainer/kernels/tree_attention.py; where it runs, else flex).
-GPU_ATTENTION = "flex"
+# The GPU's attention kernel for packed rows: "varlen" (one variable-length FlashAttention call,
+# trainer/kernels/tree_attention.py; where this torch has it and the card runs it, else flex) or "flex" (flex
+# attention over a block mask). varlen: 6.5 % off the 1.5B long-tail step and 9.4 % off the fixed one on an H100
+# (docs/trainer-gpu.md, 2026-12-06), equal within bf16.
+GPU_ATTENTION = "varlen"
 VARLEN = "varlen"  # the `packing` value that selects tree_attention (its row set by set_row)
 
 
