@@ -83,14 +83,17 @@ def swiglu_tiles() -> dict | None:
     return {**CONFIG, "waves": WAVES}
 
 
-def attention_kernel(device) -> str:
+def attention_kernel(device, dtype) -> str:
     """The attention kernel packed rows ran with: "flex" or "varlen" on a GPU, per-block sdpa on a CPU."""
+    import torch
+
     import trainer.packing
     from trainer.kernels import tree_attention
 
     if device.type != "cuda":
         return "sdpa"
-    varlen = trainer.packing.GPU_ATTENTION == trainer.packing.VARLEN and tree_attention.available(device)
+    half = dtype in (torch.bfloat16, torch.float16)
+    varlen = trainer.packing.GPU_ATTENTION == trainer.packing.VARLEN and half and tree_attention.available(device)
     return "varlen" if varlen else "flex"
 
 
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "keep_logits": logprob_head.KEEP_LOGITS,
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "inductor": inductor or None,
-        "attention": attention_kernel(device),
+        "attention": attention_kernel(device, matmul_dtype),
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,

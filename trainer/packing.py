@@ -295,13 +295,15 @@ GPU_ATTENTION = "varlen"
 VARLEN = "varlen"  # the `packing` value that selects tree_attention (its row set by set_row)
 
 
-def row_attention(mb: MicroBatch) -> BlockMask | list[tuple[int, int, int, int]] | str:
+def row_attention(mb: MicroBatch, dtype: torch.dtype) -> BlockMask | list[tuple[int, int, int, int]] | str:
     """What the model's `packing` kwarg carries for this row: the block list on a CPU, and on a GPU flex's block
-    mask or, for FlashAttention, the row's sequences set aside (`tree_attention.set_row`) and the VARLEN marker."""
+    mask or, for FlashAttention (bf16 or fp16 matmuls only), the row's sequences set aside
+    (`tree_attention.set_row`) and the VARLEN marker."""
     device = mb.input_ids.device
     if device.type != "cuda":
         return mb.blocks
-    if GPU_ATTENTION == VARLEN and tree_attention.available(device):
+    half = dtype in (torch.bfloat16, torch.float16)
+    if GPU_ATTENTION == VARLEN and half and tree_attention.available(device):
         tree_attention.set_row(tree_attention.varlen_row(mb.blocks, mb.tokens, mb.input_ids.shape[1]).to(device))
         return VARLEN
     return block_mask(mb)
@@ -371,7 +373,7 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
         hidden = lm.base_model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
-            packing=row_attention(mb),
+            packing=row_attention(mb, dtype),
             use_cache=False,
         ).last_hidden_state[0]
         # logits / T = (h / T) @ W^T: the temperature goes on the hidden states, one per token

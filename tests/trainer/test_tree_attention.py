@@ -101,7 +101,7 @@ def test_compiled_layers_train_through_the_varlen_ops_as_through_the_cpu_path(mo
         if varlen:
             compile_layers(model)
 
-            def row_attention(mb):
+            def row_attention(mb, dtype):
                 set_row(varlen_row(mb.blocks, mb.tokens, mb.input_ids.shape[1]))
                 return P.VARLEN
 
