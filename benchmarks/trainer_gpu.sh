@@ -231,9 +231,9 @@ sys.exit(0 if 'error' not in v and v['out_rel_diff'] < 0.02 and v['grad_rel_diff
     run fused_check_varlen 110 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits \
         --attention varlen
     bench varlen_longtail 120 "${LT[@]}" --attention varlen --profile "$OUT/prof_longtail_varlen.txt"
-    bench base_longtail 70 "${LT[@]}"
+    bench base_longtail 70 "${LT[@]}" --attention flex
     bench varlen_fixed 70 "${FIX[@]}" --attention varlen
-    bench base_fixed 60 "${FIX[@]}"
+    bench base_fixed 60 "${FIX[@]}" --attention flex
     bench varlen_longtail2 50 "${LT[@]}" --attention varlen
     ;;
 p)
