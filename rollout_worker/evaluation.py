@@ -30,10 +30,11 @@ from typing import Any
 import httpx
 
 from bucket import events, priority
+from bucket.config import ConfigError
 from bucket.events import EventLog
 from rollout_worker.generation import Generator
 from rollout_worker.prompts import PromptData
-from rollout_worker.rewards import Scorer
+from rollout_worker.rewards import Scorer, missing_arguments
 
 log = logging.getLogger("brigade.rollout")
 
@@ -62,6 +63,21 @@ class EvalResult:
         return self.cut is not None
 
 
+def check_judge(judge: str, rows: list[dict[str, Any]], set_name: str) -> None:
+    """A judge that needs a column the evaluation set lacks would fail every evaluation of the run (e.g. the
+    default exact_match on an environment's dataset without an `answer`): refused at start, saying what to do."""
+    columns = set.intersection(*(set(r) for r in rows)) - {"prompt"} if rows else set()
+    missing = missing_arguments(judge, columns)
+    if missing:
+        names = ", ".join(repr(m) for m in missing)
+        raise ConfigError(
+            f"the evaluation judge {judge} needs {names}, which the evaluation set ({set_name}; columns: "
+            f"{', '.join(sorted(columns)) or 'none besides the prompt'}) does not have: name a judge that reads the "
+            "set's columns (--rollout.eval-judge module:function, TRL's reward-function signature), give an "
+            "evaluation set with them (--rollout.eval-dataset), or turn evaluation off (--rollout.eval-size 0)"
+        )
+
+
 class Evaluator:
     def __init__(
         self,
@@ -75,6 +91,7 @@ class Evaluator:
     ):
         self.client, self.generator, self.data = client, generator, data
         self.rows = [dict(r) for r in data.eval]
+        check_judge(judge, self.rows, data.eval_name)
         self.max_tokens = max_tokens
         self.scorer = Scorer([judge], [1.0], timeout_s)
         self.judge = judge

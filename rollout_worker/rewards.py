@@ -110,6 +110,24 @@ def import_reward(spec: str) -> RewardFunc:
     return fn
 
 
+# What the worker passes every reward function besides the dataset's columns (Scorer.score_batch; episodes add
+# `environments`).
+PASSED = ("completions", "prompts", "completion_ids")
+
+
+def missing_arguments(spec: str, columns: set[str]) -> list[str]:
+    """The required parameters of the function named `spec` that neither the worker nor `columns` supply: every
+    call of it would raise TypeError. Empty when it takes them all (or has no signature to read)."""
+    fn = import_reward(spec)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or extension function without a readable signature
+        return []
+    given = set(PASSED) | columns
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in named and p.default is p.empty and p.name not in given]
+
+
 def call_reward(spec: str, kwargs: dict[str, Any]) -> list[float | None]:
     """Run one reward function (in a pool process): import it, call it, await it if async, check the result."""
     fn = import_reward(spec)

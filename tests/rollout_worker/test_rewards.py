@@ -126,3 +126,37 @@ def test_raising_and_slow_rewards_give_none_and_are_counted():
         assert again.totals == [1.0] and scorer.failed == 4
     finally:
         scorer.close()
+
+
+def trl_state_reward(completions, trainer_state, solution, scale=1.0, **_):
+    return [scale] * len(completions)
+
+
+def test_a_judge_that_needs_a_column_the_evaluation_set_lacks_is_refused_at_start(tmp_path):
+    """An environment's dataset often has no `answer`: the default judge (exact_match) would then fail every
+    evaluation of the run. The worker (and `brigade eval`) refuse it when the evaluator is made, saying what to do;
+    a judge that reads the set's own columns is taken."""
+    import json
+
+    from rollout_worker.evaluation import Evaluator
+    from rollout_worker.prompts import load_data
+    from rollout_worker.rewards import missing_arguments
+
+    assert missing_arguments("rollout_worker.rewards:exact_match", {"answer"}) == []
+    assert missing_arguments("rollout_worker.rewards:exact_match", {"level"}) == ["answer"]
+    assert missing_arguments("rollout_worker.rewards:format_reward", set()) == []  # **kwargs only
+    # required parameters the worker does not pass (TRL's trainer_state) or the data lacks; defaults are fine
+    spec = "tests.rollout_worker.test_rewards:trl_state_reward"
+    assert missing_arguments(spec, {"solution"}) == ["trainer_state"]
+
+    path = tmp_path / "env_rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"play round {i}", "seed": i}) + "\n" for i in range(12)))
+    data = load_data(str(path), "", 4)
+    assert len(data.eval) == 4 and "answer" not in data.eval.column_names
+    with pytest.raises(ConfigError) as err:
+        Evaluator(None, None, data, "rollout_worker.rewards:exact_match", max_tokens=8)  # type: ignore[arg-type]
+    message = str(err.value)
+    assert "needs 'answer'" in message and "columns: prompt_id, seed" in message
+    assert "--rollout.eval-size 0" in message and "--rollout.eval-judge" in message
+    # a judge of the set's own columns: made (its scorer closed again)
+    Evaluator(None, None, data, "rollout_worker.rewards:format_reward", max_tokens=8).close()  # type: ignore[arg-type]
