@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from typing import Any
 
@@ -114,6 +115,10 @@ class Worker:
         self.started: dict[asyncio.Task[ScoredGroup], int] = {}  # the live version when each task started
         self.unconsumed = 0  # groups written or in flight that the trainer has not read (metrics)
         self.unwritten: list[tuple[ScoredGroup, Ticket]] = []  # scored, not yet in a shard
+        # _flush runs in a thread (asyncio.to_thread) and, when the worker stops, on the loop: a SIGTERM that cancels
+        # the await of a flush leaves its thread writing, and a second flush of the same pending groups would write
+        # them again as a shard of their own (trained twice). One flush at a time.
+        self.flush_lock = threading.Lock()
         self.next_poll = 0.0
         self.done_groups = 0
         self.failures = 0  # groups failed in a row
@@ -293,20 +298,22 @@ class Worker:
             log.info("curriculum: training prompts move to level %s", self.sampler.level_name)
 
     def _flush(self, force: bool = False) -> None:
-        """Write full shards (all with `force`), then move the data cursor past the groups now in the bucket."""
-        try:
-            self.output.flush(force=force)
-        finally:
-            pending = {id(g) for g in self.output.pending}
-            written = [t for g, t in self.unwritten if id(g) not in pending]
-            if written:
-                self.unwritten = [(g, t) for g, t in self.unwritten if id(g) in pending]
-                for ticket in written:
-                    self.sampler.written_out(ticket)
-                try:
-                    write_data_cursor(self.store, self.sampler.cursor())
-                except Exception as exc:  # noqa: BLE001 - the cursor is written again after the next shard
-                    log.warning("could not write the data cursor: %s", exc)
+        """Write full shards (all with `force`), then move the data cursor past the groups now in the bucket. A flush
+        still running in its thread is waited for (flush_lock)."""
+        with self.flush_lock:
+            try:
+                self.output.flush(force=force)
+            finally:
+                pending = {id(g) for g in self.output.pending}
+                written = [t for g, t in self.unwritten if id(g) not in pending]
+                if written:
+                    self.unwritten = [(g, t) for g, t in self.unwritten if id(g) in pending]
+                    for ticket in written:
+                        self.sampler.written_out(ticket)
+                    try:
+                        write_data_cursor(self.store, self.sampler.cursor())
+                    except Exception as exc:  # noqa: BLE001 - the cursor is written again after the next shard
+                        log.warning("could not write the data cursor: %s", exc)
 
     def _stop(self) -> None:
         for task in self.tasks:
