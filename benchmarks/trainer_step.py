@@ -83,20 +83,6 @@ def swiglu_tiles() -> dict | None:
     return {**CONFIG, "waves": WAVES}
 
 
-def attention_kernel(device, dtype) -> str:
-    """The attention kernel packed rows ran with: "flex" or "varlen" on a GPU, per-block sdpa on a CPU."""
-    import torch
-
-    import trainer.packing
-    from trainer.kernels import tree_attention
-
-    if device.type != "cuda":
-        return "sdpa"
-    half = dtype in (torch.bfloat16, torch.float16)
-    varlen = trainer.packing.GPU_ATTENTION == trainer.packing.VARLEN and half and tree_attention.available(device)
-    return "varlen" if varlen else "flex"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
@@ -199,7 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         use_rank1_lora,
         wrap_lora,
     )
-    from trainer.packing import FLEX_BLOCK, PACKED_ATTENTION, build, row_quantum, row_tokens, rows, set_matmul_dtype
+    from trainer.packing import (
+        FLEX_BLOCK,
+        PACKED_ATTENTION,
+        attention_kernel,
+        build,
+        row_quantum,
+        row_tokens,
+        rows,
+        set_matmul_dtype,
+    )
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -383,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "keep_logits": logprob_head.KEEP_LOGITS,
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "inductor": inductor or None,
-        "attention": attention_kernel(device, matmul_dtype),
+        "attention": attention_kernel(device, matmul_dtype),  # the kernel the rows ran with
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,

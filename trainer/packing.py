@@ -295,18 +295,24 @@ GPU_ATTENTION = "varlen"
 VARLEN = "varlen"  # the `packing` value that selects tree_attention (its row set by set_row)
 
 
-def row_attention(mb: MicroBatch, dtype: torch.dtype) -> BlockMask | list[tuple[int, int, int, int]] | str:
-    """What the model's `packing` kwarg carries for this row: the block list on a CPU, and on a GPU flex's block
-    mask or, for FlashAttention (bf16 or fp16 matmuls only), the row's sequences set aside
-    (`tree_attention.set_row`) and the VARLEN marker."""
-    device = mb.input_ids.device
+def attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel packed rows attend with: "sdpa" (per block) on a CPU; on a GPU "varlen" where GPU_ATTENTION asks
+    for it, FlashAttention runs there and the matmuls are bf16 or fp16, else "flex"."""
     if device.type != "cuda":
-        return mb.blocks
+        return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)
-    if GPU_ATTENTION == VARLEN and half and tree_attention.available(device):
+    return VARLEN if GPU_ATTENTION == VARLEN and half and tree_attention.available(device) else "flex"
+
+
+def row_attention(mb: MicroBatch, dtype: torch.dtype) -> BlockMask | list[tuple[int, int, int, int]] | str:
+    """What the model's `packing` kwarg carries for this row (attention_kernel): the block list, flex's block mask,
+    or the VARLEN marker with the row's sequences set aside (`tree_attention.set_row`)."""
+    device = mb.input_ids.device
+    kernel = attention_kernel(device, dtype)
+    if kernel == VARLEN:
         tree_attention.set_row(tree_attention.varlen_row(mb.blocks, mb.tokens, mb.input_ids.shape[1]).to(device))
         return VARLEN
-    return block_mask(mb)
+    return mb.blocks if kernel == "sdpa" else block_mask(mb)
 
 
 _FLEX = None

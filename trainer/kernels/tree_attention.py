@@ -72,7 +72,7 @@ def varlen_row(blocks: list[tuple[int, int, int, int]], real: int, total: int) -
     def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype)
 
-    return VarlenRow(t(cu_q, torch.int32), t(cu_k, torch.int32), t(index, torch.long), max_q, max_k, max(total, real))
+    return VarlenRow(t(cu_q, torch.int32), t(cu_k, torch.int32), t(index, torch.long), max_q, max_k, total)
 
 
 _ROW: VarlenRow | None = None
