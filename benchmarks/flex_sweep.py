@@ -36,7 +36,52 @@ OPTION_SETS: list[dict | str] = [
     {"fwd_USE_TMA": True},
     {"USE_TMA": True, **{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}, "bwd_num_warps": 4},
     "varlen",  # 13: FlashAttention's varlen kernel over the row's sequences (trainer/kernels/tree_attention.py)
+    # 14, 15: cuDNN's attention on the same sequences (Hopper kernels, where torch's FlashAttention is version 2):
+    # 14 as varlen (a block's queries, its prompt then itself as keys: right only if cuDNN aligns the causal mask
+    # bottom-right); 15 with the prompt's queries gathered too (every sequence square, so either alignment is
+    # the tree mask; the prompt's extra queries are computed and dropped)
+    "cudnn",
+    "cudnn_square",
 ]
+
+
+def cudnn_layout(blocks: list[tuple[int, int, int, int]], real: int, total: int) -> dict:
+    """The row's sequences as cuDNN takes them, both ways (set 14 and 15): keys and values gathered as
+    tree_attention's (a block's prompt then itself); for the square form the queries gathered the same way, and
+    `own` the gathered positions whose outputs are the row's."""
+    import torch
+
+    from trainer.kernels import tree_attention
+
+    row = tree_attention.varlen_row(blocks, real, total)
+    own: list[int] = []
+    cu_k = row.cu_k.tolist()
+    cu_q = row.cu_q.tolist()
+    for i in range(len(cu_q) - 1):
+        n = cu_q[i + 1] - cu_q[i]
+        own.extend(range(cu_k[i + 1] - n, cu_k[i + 1]))
+    cuda = {"device": "cuda"}
+    return {
+        "row": row.to("cuda"),
+        "own": torch.tensor(own, dtype=torch.long, **cuda),
+        "max_sq": max(b - a for a, b in zip(cu_k, cu_k[1:])),
+    }
+
+
+def cudnn_tree(q, k, v, scale: float, layout: dict, square: bool):
+    """cuDNN's attention over the row's sequences, q [1, Hq, T, D] (the sweep's layout); autograd's backward
+    (torch's own derivative of the op; the gathers' gradients summed back by index_select's)."""
+    import torch
+
+    row = layout["row"]
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # [T, H, D]
+    kg, vg = k.index_select(0, row.kv_index), v.index_select(0, row.kv_index)
+    qg = q.index_select(0, row.kv_index) if square else q
+    cu_q, max_q = (row.cu_k, layout["max_sq"]) if square else (row.cu_q, row.max_q)
+    out = torch.ops.aten._cudnn_attention_forward(
+        qg, kg, vg, None, cu_q, row.cu_k, max_q, row.max_k, True, 0.0, True, False, scale=scale
+    )[0]
+    return (out.index_select(0, layout["own"]) if square else out).unsqueeze(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--lengths", default="longtail", choices=["fixed", "longtail"])
+    p.add_argument("--prompt-tokens", type=int, default=200, help="--lengths fixed")
+    p.add_argument("--completion-tokens", type=int, default=512, help="--lengths fixed")
     p.add_argument("--sets", default="", help="comma list of OPTION_SETS indices (default: all)")
     args = p.parse_args(argv)
-    args.device, args.lengths, args.masked_fraction = "cuda", "longtail", 0.0
+    args.device, args.masked_fraction = "cuda", 0.0
 
     import torch
     from torch.nn.attention.flex_attention import flex_attention
@@ -76,13 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     g[:, :, mb.tokens :] = 0  # the pads' outputs feed nothing
     tree_attention.set_row(tree_attention.varlen_row(mb.blocks, mb.tokens, t).to("cuda"))
     flex = torch.compile(flex_attention)
+    layout = cudnn_layout(mb.blocks, mb.tokens, t)
     out: dict = {"benchmark": "flex_sweep", "gpu": torch.cuda.get_device_name(), "row_tokens": t, "sets": []}
     ref = None
     chosen = [OPTION_SETS[int(i)] for i in args.sets.split(",")] if args.sets else OPTION_SETS
     for options in chosen:
         kw = {"kernel_options": options} if options else {}
 
-        def fwd(kw=kw, varlen=options == "varlen"):
+        def fwd(kw=kw, varlen=options == "varlen", options=options):
+            if options in ("cudnn", "cudnn_square"):
+                return cudnn_tree(q, k, v, head_dim**-0.5, layout, options == "cudnn_square").transpose(1, 2)
             if varlen:  # [1, T, H, D] -> flex's [1, H, T, D]
                 return tree_attention.tree_attention(q, k, v, head_dim**-0.5).transpose(1, 2)
             return flex(q, k, v, block_mask=mask, scale=head_dim**-0.5, enable_gqa=True, **kw)
@@ -103,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             entry["forward_ms"] = do_bench(fwd, warmup=3, rep=20)
             entry["backward_ms"] = do_bench(fwd_bwd, warmup=3, rep=20) - entry["forward_ms"]
         except Exception as e:
-            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            import traceback
+
+            where = traceback.extract_tb(e.__traceback__)[-3:]
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]} at " + "; ".join(
+                f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.line}" for f in where
+            )
         out["sets"].append(entry)
         print(json.dumps(out) if args.json else json.dumps(entry), flush=True)
     return 0

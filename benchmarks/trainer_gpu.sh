@@ -243,6 +243,47 @@ p)
     bench q7b_longtail 130 --shape qwen2.5-7b --lengths longtail
     bench q8b_longtail 120 --shape qwen3-8b --lengths longtail
     ;;
+q)
+    # 2026-12-06, fourth session: rows twice the trainer's default budget (the budget rule's per-token estimate
+    # predates the fused MLP and the varlen kernel: 16384 on an 80 GB card peaked at 28.7 GiB), a wider profile
+    # table of the default step, then the 7B shape with time to compile
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    ROW=$(python3 -c "import torch; print(32768 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 16384)")
+    bench lt_default 110 "${LT[@]}" --token-budget "$ROW" --profile "$OUT/prof_longtail_default.txt"
+    bench lt_double 80 "${LT[@]}" --token-budget $((2 * ROW))
+    bench fx_default 60 "${FIX[@]}" --token-budget "$ROW"
+    bench fx_double 60 "${FIX[@]}" --token-budget $((2 * ROW))
+    bench lt_default2 45 "${LT[@]}" --token-budget "$ROW"
+    bench q7b_longtail 240 --shape qwen2.5-7b --lengths longtail
+    ;;
+r)
+    # cuDNN's attention (Hopper kernels) on the tree's sequences against FlashAttention 2's varlen (flex_sweep 13-15)
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python3 -c "import torch; print(torch.__version__, torch.backends.cudnn.version())"
+    } >>"$LOG" 2>&1
+    run cudnn_sweep 150 benchmarks.flex_sweep --token-budget 16384 --sets 13,14,15
+    run cudnn_sweep_fixed 150 benchmarks.flex_sweep --token-budget 16384 --sets 13,14,15 --lengths fixed
+    ;;
+s)
+    # the compiled layer's generated kernels (inductor's output code) for a 2-layer 1.5B step: what each of the
+    # profile's element-wise kernels computes
+    TORCH_LOGS=output_code timeout 200 python3 -m benchmarks.trainer_step --device cuda --json "${LT[@]}" --layers 2 \
+        --steps 1 --reference-steps 0 >"$OUT/code.txt" 2>&1
+    gzip -f "$OUT/code.txt"
+    ;;
+t)
+    # inductor options, each alone on the default long-tail step: Hopper's programmatic dependent launch (the step
+    # runs ~4500 kernels), and mix-order reductions without their 10-read limit (the RMSNorm backward, a row
+    # reduction of 17 reads, writes an fp32 [N, 1536] tensor only for the LoRA's column sums in the next kernel)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench base 80 "${LT[@]}"
+    bench pdl 80 "${LT[@]}" --inductor '{"triton.enable_pdl": true}'
+    bench mix_reads 80 "${LT[@]}" --inductor '{"triton.mix_order_reduction_max_reads": 0}'
+    bench combo 90 "${LT[@]}" --inductor '{"combo_kernels": true}'
+    bench pdl_mix 80 "${LT[@]}" --inductor '{"triton.enable_pdl": true, "triton.mix_order_reduction_max_reads": 0}'
+    bench base2 50 "${LT[@]}"
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

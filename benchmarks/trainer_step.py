@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             packed_step()
         sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
         with open(args.profile, "w") as f:
-            f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=80))
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=150, max_name_column_width=140))
 
     ref_s = None
     if args.reference_steps:
