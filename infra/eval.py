@@ -3,8 +3,12 @@
 The evaluation set, the answer check and the greedy settings are the rollout
 worker's (`[rollout]` table: dataset, eval_dataset, eval_size, eval_max_tokens,
 eval_judge), so a number here is comparable with the ones the worker records
-during the run. Each version is loaded on the replicas through the proxy
-(and unloaded again if this command loaded it); each result is appended to
+during the run. A run with an environment is evaluated as its worker does it:
+give the run's `environment`, its episode bounds (max_turns, max_tool_calls,
+max_episode_tokens, max_completion_length, environment_timeout_s), its
+reward_funcs and eval_success_threshold, as flags or in the run's --config
+file. Each version is loaded on the replicas through the proxy (and unloaded
+again if this command loaded it); each result is appended to
 the bucket as an `eval` event, which `brigade summary` and the dashboard read.
 
 Each evaluation is bounded by `eval_timeout_s` as in the worker: one past it is cut, recorded as partial
@@ -51,6 +55,17 @@ FLAGS: Flags = {
         "eval_max_tokens",
         "eval_timeout_s",
         "eval_judge",
+        "eval_success_threshold",
+        # an environment run is evaluated through its environment, with training's bounds and reward
+        "environment",
+        "max_turns",
+        "max_tool_calls",
+        "max_episode_tokens",
+        "max_completion_length",
+        "environment_timeout_s",
+        "reward_funcs",
+        "reward_weights",
+        "reward_timeout_s",
         "request_timeout_s",
         "pool_url",
         "pool_token_env",
@@ -94,7 +109,8 @@ async def _load(client: httpx.AsyncClient, manifest: RunManifest, version: Versi
 
 
 async def evaluate_versions(config: Config, versions_text: str, token_file: str | None = None) -> list[dict[str, Any]]:
-    from rollout_worker.evaluation import Evaluator
+    from rollout_worker.environments.held_out import HeldOutEpisodes
+    from rollout_worker.evaluation import EVAL_CONCURRENCY, Evaluator, episode_note
     from rollout_worker.generation import Generator
     from rollout_worker.main import wait_for_proxy
     from rollout_worker.pool_client import auth_headers
@@ -116,7 +132,8 @@ async def evaluate_versions(config: Config, versions_text: str, token_file: str 
             on_pool = open_pool(url, token, source, rc.pool_token_env, store, manifest, rc.pool_weight)
             await on_pool.hold()
         generator = Generator(client, manifest.base_model, SamplingParams(temperature=0.0), rc.eval_max_tokens)
-        evaluator = Evaluator(client, generator, data, rc.eval_judge, rc.eval_max_tokens)
+        episodes = HeldOutEpisodes.for_settings(rc, client, manifest.base_model, EVAL_CONCURRENCY)
+        evaluator = Evaluator(client, generator, data, rc.eval_judge, rc.eval_max_tokens, episodes=episodes)
         try:
             for v in versions:
                 model = manifest.base_model if v == 0 else manifest.lora_name(v)
@@ -138,7 +155,9 @@ async def evaluate_versions(config: Config, versions_text: str, token_file: str 
                     "correct": result.correct,
                     "total": result.total,
                 }
-                counts = f"{result.correct}/{result.total}, {result.seconds:.1f}s"
+                if episodes is not None:  # what the episodes scored, beside the fraction that succeeded
+                    row.update(mean_reward=result.mean_reward, env_errors=len(result.env_errors))
+                counts = f"{result.correct}/{result.total}, {result.seconds:.1f}s{episode_note(result)}"
                 if result.partial:
                     row.update(partial=True, cut=result.cut, planned=result.planned)
                     acc = "-" if result.accuracy is None else f"{result.accuracy:.3f}"

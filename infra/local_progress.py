@@ -58,7 +58,11 @@ def _eval_line(e: dict) -> str:
             f"  evaluation of v{e['version']} {e.get('cut', 'cut')}: partial accuracy {acc} on "
             f"{e['total']} of {e.get('planned', '?')} prompts ({e['seconds']:.0f}s), not the version's"
         )
-    return (
+    line = (
         f"  held-out accuracy of v{e['version']}: {e['accuracy']:.3f} ({e['correct']}/{e['total']}, "
         f"{e['seconds']:.0f}s)"
     )
+    if "environment" in e:  # an environment run's episodes (rollout_worker/environments/held_out.py)
+        mean = "-" if e.get("mean_reward") is None else f"{e['mean_reward']:.3f}"
+        line += f"; episodes: mean reward {mean}, {e.get('env_errors', 0)} ended by an environment error"
+    return line

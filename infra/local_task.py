@@ -7,7 +7,8 @@
                    (0.27), so GRPO has groups with signal from the first step
     multiturn      the sums as episodes of a text-step environment (rollout_worker/environments/retry_sums.py):
                    a wrong answer is told so and tried once more (1 for a right first answer, 0.5 for a right
-                   second one); held-out success is the first answer's, measured as for sums
+                   second one); held-out sums run as greedy episodes of the game, a success a right first
+                   answer (rollout_worker/environments/held_out.py)
 
 A task fills only the [rollout] fields the user did not give (by flag, TOML file or override), as the CPU
 sizing does (infra/local_sizing.py); a dataset given that the task cannot train is an error, not ignored.

@@ -99,7 +99,13 @@ class Follower:
             if step is None or not _number(body.get("accuracy")):
                 still.append(body)
             else:
-                out.append((step, {"eval/accuracy": float(body["accuracy"])}))
+                metrics = {"eval/accuracy": float(body["accuracy"])}
+                # an environment run's episodes (rollout_worker/environments/held_out.py)
+                if _number(body.get("mean_reward")):
+                    metrics["eval/mean_reward"] = float(body["mean_reward"])
+                if _number(body.get("env_errors")):
+                    metrics["eval/env_errors"] = float(body["env_errors"])
+                out.append((step, metrics))
         self.pending_eval = still
         for v, step in sorted(self.version_step.items()):
             seconds = self.timeline.version(v).commit_to_all_loaded_s if v else None

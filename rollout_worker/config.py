@@ -162,6 +162,14 @@ class RolloutConfig(BaseModel):
         description="Reward function that judges an evaluation answer correct (1.0) or not. Not given with a "
         f"reasoning-gym dataset: {REASONING_GYM_REWARD} (the task's score_answer; 1.0 counts as correct).",
     )
+    eval_success_threshold: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="With an environment: a held-out episode (greedy, through the environment, with training's "
+        "bounds) succeeds when its reward (the environment's plus reward_funcs, as in training) reaches this; the "
+        "`eval` event's accuracy is the fraction that succeed (1.0: the full reward, e.g. retry_sums' right first "
+        "answer). eval_judge and eval_max_tokens are for runs without an environment.",
+    )
     seed: int = Field(0, description="Seed of the prompt order (reshuffled every epoch).")
     poll_s: float = Field(0.5, gt=0, description="How often to look for a new adapter version.")
     max_groups: int = Field(0, ge=0, description="Stop after this many groups (0 = until the trainer says it is done).")

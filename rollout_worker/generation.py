@@ -62,6 +62,9 @@ class Generator:
         self.token_cache: dict[str, list[int]] = {}  # the dataset is cycled: each prompt is tokenised once
         self.retries: collections.Counter[str] = collections.Counter()  # requests sent again, by reason (metrics)
         self.switch: Switch | None = None  # rollout.switch_after set: chunked completions (switch.py)
+        # vLLM's request priority (bucket/priority.py); None sends none (training generation's 0). Evaluation
+        # episodes set EVALUATION, so that their turns queue behind the rollouts training waits for.
+        self.priority: int | None = None
 
     @classmethod
     def for_settings(
@@ -148,7 +151,7 @@ class Generator:
             "logprobs": 0,
             "return_token_ids": True,
             "n": n,
-        }
+        } | ({} if self.priority is None else {"priority": self.priority})
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
         """POST through the proxy; a 5xx or no answer is sent again with back-off, a 4xx fails at once. `headers`:

@@ -41,8 +41,9 @@ from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.config import RolloutConfig
 from rollout_worker.environments.groups import EpisodeGroups, for_settings
+from rollout_worker.environments.held_out import HeldOutEpisodes
 from rollout_worker.eval_schedule import EvalSchedule
-from rollout_worker.evaluation import Evaluator
+from rollout_worker.evaluation import EVAL_CONCURRENCY, Evaluator
 from rollout_worker.generation import AdapterRetired, Generator
 from rollout_worker.live_adapter import LiveAdapter, wait_for_proxy
 from rollout_worker.metrics import RolloutMetrics
@@ -106,7 +107,15 @@ class Worker:
             self.data.eval_name,
         )
         self.evaluator = (
-            Evaluator(client, self.generator, self.data, settings.eval_judge, settings.eval_max_tokens)
+            Evaluator(
+                client,
+                self.generator,
+                self.data,
+                settings.eval_judge,
+                settings.eval_max_tokens,
+                # an environment run's held-out rows are run as greedy episodes of its environment
+                episodes=HeldOutEpisodes.for_settings(settings, client, manifest.base_model, EVAL_CONCURRENCY),
+            )
             if len(self.data.eval)
             else None
         )

@@ -6,6 +6,8 @@
   host.py        each episode's instance in a process of its own, calls with a timeout
   stream.py      one token stream per episode: sampled ids plus template differences from /tokenize
   episode.py     one episode's turns; groups.py: a row's episodes as one scored group
+  episode_rewards.py  an episode's reward (the environment's plus the reward functions), for both of these
+  held_out.py    the held-out evaluation of an environment run: one greedy episode per row, judged by its reward
 
 Nothing is imported here: an environment's process imports only host.py and contract.py.
 """

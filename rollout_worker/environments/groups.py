@@ -10,7 +10,8 @@ not the model's doing, so it is not trained on as a low reward) and recorded as 
 whose every episode failed, fails.
 
 Rewards: the environment's (get_reward, or the sum of step rewards) plus the weighted reward functions, which
-get TRL's arguments and `environments=` (each episode's instance as it ended).
+get TRL's arguments and `environments=` (each episode's instance as it ended): episode_rewards.py, the held-out
+evaluation's rule too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
 from rollout_worker.environments.contract import describe, import_factory
 from rollout_worker.environments.episode import Episode, EpisodeRun, Limits
+from rollout_worker.environments.episode_rewards import episode_rewards
 from rollout_worker.environments.host import EnvHosts
 from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.environments.stream import Renderer
@@ -50,6 +52,16 @@ def common_prefix(lists: list[list[int]]) -> list[int]:
     return first[:n]
 
 
+def check_environment(spec: str) -> None:
+    """A bad name, or a class that follows neither contract, fails at start (ConfigError), not in every episode."""
+    try:
+        factory = import_factory(spec)
+        if inspect.isclass(factory):  # instances are made in their own processes only
+            describe(factory)
+    except EnvSpecError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 class EpisodeGroups:
     """The worker's environment side: the processes, the renderer, and one group at a time per call."""
 
@@ -63,12 +75,7 @@ class EpisodeGroups:
         sampling: SamplingParams,
         max_episodes: int,
     ):
-        try:  # a bad name, or a class that follows neither contract, fails at start
-            factory = import_factory(spec)
-            if inspect.isclass(factory):  # instances are made in their own processes only
-                describe(factory)
-        except EnvSpecError as exc:
-            raise ConfigError(str(exc)) from None
+        check_environment(spec)
         self.spec, self.limits, self.gen, self.scorer, self.ev, self.sampling = (
             spec,
             limits,
@@ -141,18 +148,11 @@ class EpisodeGroups:
         streams = [ep.stream for ep in eps if ep.stream is not None]
         prompt_ids = common_prefix([s.prompt_ids for s in streams])
         texts = [await self._decode(s.ids) for s in streams]
-        columns = {k: [v] * len(eps) for k, v in row.items() if k != "prompt"}
-        columns["environments"] = [ep.env for ep in eps]
-        scored = await self.scorer.score_batch(
-            [ep.completion for ep in eps],
-            [ep.messages[: ep.prompt_len] for ep in eps],
-            [s.ids for s in streams],
-            columns,
-        )
-        for spec, error in scored.failures:
+        rewards, failures = await episode_rewards(self.scorer, [row] * len(eps), eps)
+        for spec, error in failures:
             self.ev.emit(events.REWARD_FAILED, function=spec, error=error[:500], samples=len(eps))
         samples = []
-        for ep, s, text, r in zip(eps, streams, texts, scored.totals):
+        for ep, s, text, reward in zip(eps, streams, texts, rewards):
             head = s.prompt_ids[len(prompt_ids) :]  # this episode's own prompt tokens (reset's text), masked
             shift = len(head)
             samples.append(
@@ -162,7 +162,7 @@ class EpisodeGroups:
                     loss_mask=[0] * shift + s.mask,
                     turns=[t.model_copy(update={"start": t.start + shift, "end": t.end + shift}) for t in s.turns],
                     text=text,
-                    reward=ep.env_reward + (r or 0.0),
+                    reward=reward,
                     finish_reason=ep.finish_reason,
                     replica=s.turns[0].replica,
                     model=ep.model,
@@ -194,12 +194,16 @@ def for_settings(
     """The worker's episode side for `--rollout.environment`, or None for single-turn completions."""
     if not settings.environment:
         return None
-    limits = Limits(
+    episodes = settings.max_inflight_groups * num_generations  # one process per episode in flight
+    return EpisodeGroups(settings.environment, limits_of(settings), generator, scorer, ev, generator.sampling, episodes)
+
+
+def limits_of(settings: Any) -> Limits:
+    """An episode's bounds from the `[rollout]` table: training's and the held-out evaluation's alike."""
+    return Limits(
         settings.max_turns,
         settings.max_tool_calls,
         settings.max_episode_tokens,
         settings.max_completion_length,
         settings.environment_timeout_s,
     )
-    episodes = settings.max_inflight_groups * num_generations  # one process per episode in flight
-    return EpisodeGroups(settings.environment, limits, generator, scorer, ev, generator.sampling, episodes)

@@ -4,7 +4,8 @@ docstring, `get_reward`), never one of brigade's own classes. Each run: one vLLM
 
 What the trainer consumed is read back from the bucket: every episode's sample is one token stream whose turns
 tile it (each turn's sampled tokens trained, everything between them masked), all of an episode's turns carry
-the version its first turn used and were served by one replica, and `brigade summary` counts the episodes.
+the version its first turn used and were served by one replica, and `brigade summary` counts the episodes. The
+multiturn run's held-out sums are evaluated as greedy episodes of its game (rollout_worker/environments/held_out.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from bucket.rollouts import read_shards
 from bucket.store import Store
 from infra.s3server import listen_ports
 from tests.helpers import REPO_ROOT, brigade_local, free_port, host_timeout
+
+EVAL_SIZE = 6
 
 
 class SumsWithCalculator:
@@ -87,13 +90,26 @@ def _check_episodes(store: Store, summary: dict) -> list:
 
 
 def test_the_multiturn_task_trains_on_two_try_episodes(tmp_path, model_dir):
-    store, summary = _run(tmp_path, model_dir, "--local.task", "multiturn")
+    store, summary = _run(
+        tmp_path,
+        model_dir,
+        *("--local.task", "multiturn", "--rollout.eval-size", str(EVAL_SIZE), "--rollout.eval-every-versions", "0"),
+    )
     samples = _check_episodes(store, summary)
     # a wrong first answer is told so and answered again: some episode took two turns, none more than max_turns
     assert max(len(s.turns) for _, s in samples) <= 2
     assert any(len(s.turns) == 2 for _, s in samples), "no first answer was wrong in the whole run"
     # rewards are the environment's: 1 at the first try, 0.5 at the second, else 0
     assert {s.reward for _, s in samples} <= {0.0, 0.5, 1.0}, {s.reward for _, s in samples}
+    # the held-out sums are evaluated as greedy episodes of the same game, at the start and after the last version:
+    # a success is a right first answer (the full reward), the mean reward counts the second tries too
+    evals = {e["version"]: e for e in events.read_all(store) if e["kind"] == events.EVAL and not e.get("partial")}
+    newest = max(v["version"] for v in summary["versions"])
+    assert {0, newest} <= set(evals), sorted(evals)
+    for e in (evals[0], evals[newest]):
+        assert e["environment"] == "rollout_worker.environments.retry_sums:RetrySums" and e["max_turns"] == 2, e
+        assert e["total"] == EVAL_SIZE and e["env_errors"] == 0 and e["accuracy"] <= e["mean_reward"] <= 1.0, e
+    assert summary["base_accuracy"] == evals[0]["accuracy"]
 
 
 def test_a_trl_style_environment_class_trains_unchanged(tmp_path, model_dir):

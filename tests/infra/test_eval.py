@@ -19,6 +19,7 @@ from tests.helpers import REPO_ROOT, free_port, host_timeout, make_adapter_files
 
 EVAL_SIZE = 24
 POOL_EVAL_SIZE = 8
+ENV_EVAL_SIZE = 6
 POOL_ADMIN = "pool-admin-token-for-the-eval-test"
 
 
@@ -149,3 +150,42 @@ def test_eval_on_a_pool_with_the_runs_token(vllm_replicas, model_dir, tmp_path):
     detached = [e for e in events.read_all(pool_store) if e["kind"] == events.RUN_DETACHED and e["run"] == rid]
     assert [(e["reason"], e["unloaded"]) for e in detached] == [("left", [tuned["model"]])]
     assert left == {"runs": {}} and not pool_store.exists(pool.run_key(rid))
+
+
+def test_eval_of_an_environment_run_runs_its_episodes(vllm_replicas, tmp_path):
+    """`brigade eval --rollout.environment ...`: the held-out sums as greedy episodes of the built-in retry game
+    (a wrong answer is told so and tried again), judged by the game's reward (1 at the first try, 0.5 at the
+    second); the run's own bucket, its proxy in front of the session's replicas by URL."""
+    _, infos, session = vllm_replicas
+    run_store = Store(str(tmp_path / "run"))
+    run_store.check_reachable(create=True)
+    init_or_check(run_store, RunSpec(), "test")
+    port = free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--bucket", run_store.url, "--proxy.port", str(port)]
+        + ["--proxy.replica-urls", ",".join(i.url for i in infos)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    flags = ["--bucket", run_store.url, "--rollout.proxy-url", f"http://127.0.0.1:{port}", "--versions", "0"]
+    flags += ["--rollout.eval-size", str(ENV_EVAL_SIZE), "--rollout.max-completion-length", "12"]
+    flags += ["--rollout.environment", "rollout_worker.environments.retry_sums:RetrySums", "--rollout.max-turns", "2"]
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 60, proxy)
+        done = _eval(flags, dict(os.environ))
+    finally:
+        stop(proxy)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    (printed,) = json.loads(done.stdout.strip().splitlines()[-1])
+    (e,) = [e for e in events.read_all(run_store) if e["kind"] == events.EVAL]
+    assert e["environment"] == "rollout_worker.environments.retry_sums:RetrySums" and e["judge"] == "episode reward"
+    assert (e["model"], e["max_turns"], e["max_tokens"], e["success_threshold"]) == (session.base_model, 2, 12, 1.0)
+    assert e["partial"] is False and e["env_errors"] == 0 and e["total"] == ENV_EVAL_SIZE, e
+    # the episodes' rewards are the game's, and a success is a right first answer (the full reward)
+    assert {x["reward"] for x in e["examples"]} <= {0.0, 0.5, 1.0}, e["examples"]
+    for x in e["examples"]:  # a wrong first answer was told so and answered again
+        assert (x["reward"] < 1.0) == ("[user] That is not right." in x["completion"]), x
+    assert e["accuracy"] == e["correct"] / ENV_EVAL_SIZE and 0.0 <= e["mean_reward"] <= 1.0
+    assert e["mean_reward"] >= e["accuracy"]  # successes score 1, the rest 0 or 0.5
+    assert (printed["accuracy"], printed["mean_reward"], printed["env_errors"]) == (e["accuracy"], e["mean_reward"], 0)

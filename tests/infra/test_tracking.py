@@ -107,3 +107,10 @@ def test_a_cut_evaluation_is_not_logged_as_the_versions_accuracy(tmp_path):
     assert follower.pending_eval == []  # nothing left waiting for an accuracy that never comes
     rollout.emit(events.EVAL, version=2, accuracy=0.5, correct=8, total=16, partial=False)
     assert [(s, m) for s, m in follower.poll() if "eval/accuracy" in m] == [(6, {"eval/accuracy": 0.5})]
+    # an environment run's evaluation: its episodes' mean reward and environment errors beside the accuracy
+    rollout.emit(
+        events.EVAL, version=2, accuracy=0.5, correct=3, total=6, partial=False, mean_reward=0.75, env_errors=2
+    )
+    assert [(s, m) for s, m in follower.poll() if "eval/accuracy" in m] == [
+        (6, {"eval/accuracy": 0.5, "eval/mean_reward": 0.75, "eval/env_errors": 2.0})
+    ]
