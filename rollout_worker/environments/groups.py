@@ -62,7 +62,33 @@ def check_environment(spec: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
-class EpisodeGroups:
+class EpisodeRunner:
+    """One environment's episodes, each on an instance in a process of its own from a pool of idle ones: the
+    training groups' (EpisodeGroups) and the held-out evaluation's (held_out.py)."""
+
+    def __init__(self, spec: str, limits: Limits, generator: Generator, scorer: Scorer, max_idle: int):
+        check_environment(spec)
+        self.spec, self.limits, self.gen, self.scorer = spec, limits, generator, scorer
+        self.hosts = EnvHosts(max_idle=max_idle)
+        self.renderer = Renderer(generator)
+
+    async def run_episode(self, eid: str, row: dict[str, Any], model: str, version: int) -> Episode:
+        """One episode (`eid`: its turns' X-Session-ID); an environment's failure is in the Episode's `error`."""
+        proc = self.hosts.acquire()
+        try:
+            run = EpisodeRun(self.spec, proc, self.gen, self.renderer, self.limits)
+            return await run.run(eid, row, model, version, snapshot=bool(self.scorer.specs))
+        except BaseException:
+            proc.kill()  # cancelled or a generation failure mid-episode: the instance is not left half-used
+            raise
+        finally:
+            self.hosts.release(proc)
+
+    def close(self) -> None:
+        self.hosts.close()
+
+
+class EpisodeGroups(EpisodeRunner):
     """The worker's environment side: the processes, the renderer, and one group at a time per call."""
 
     def __init__(
@@ -75,17 +101,8 @@ class EpisodeGroups:
         sampling: SamplingParams,
         max_episodes: int,
     ):
-        check_environment(spec)
-        self.spec, self.limits, self.gen, self.scorer, self.ev, self.sampling = (
-            spec,
-            limits,
-            generator,
-            scorer,
-            ev,
-            sampling,
-        )
-        self.hosts = EnvHosts(max_idle=max_episodes)
-        self.renderer = Renderer(generator)
+        super().__init__(spec, limits, generator, scorer, max_episodes)
+        self.ev, self.sampling = ev, sampling
         self.failed = 0  # episodes ended by their environment
 
     async def group(self, row: dict[str, Any], adapters: LiveAdapter, n: int, extra: dict[str, Any]) -> ScoredGroup:
@@ -102,21 +119,11 @@ class EpisodeGroups:
                 await adapters.wait_for(Version(adapters.version_of(model) + 1), RETIRED_WAIT_S)
         raise AssertionError("unreachable")
 
-    async def _episode(self, eid: str, row: dict[str, Any], model: str, version: int) -> Episode:
-        proc = self.hosts.acquire()
-        try:
-            run = EpisodeRun(self.spec, proc, self.gen, self.renderer, self.limits)
-            return await run.run(eid, row, model, version, snapshot=bool(self.scorer.specs))
-        except BaseException:
-            proc.kill()  # cancelled or a generation failure mid-episode: the instance is not left half-used
-            raise
-        finally:
-            self.hosts.release(proc)
-
     async def _group(self, row: dict[str, Any], model: str, version: int, n: int, extra: dict[str, Any]) -> ScoredGroup:
         key = uuid.uuid4().hex[:12]
         tasks = [
-            asyncio.create_task(self._episode(f"{row['prompt_id']}-{key}-{i}", row, model, version)) for i in range(n)
+            asyncio.create_task(self.run_episode(f"{row['prompt_id']}-{key}-{i}", row, model, version))
+            for i in range(n)
         ]
         try:
             episodes = await asyncio.gather(*tasks)
@@ -183,9 +190,6 @@ class EpisodeGroups:
     async def _decode(self, ids: list[int]) -> str:
         resp = await self.gen._post("/detokenize", {"model": self.gen.base_model, "tokens": ids})
         return str(resp.json().get("prompt", ""))
-
-    def close(self) -> None:
-        self.hosts.close()
 
 
 def for_settings(

@@ -23,11 +23,9 @@ import httpx
 
 from bucket import priority
 from bucket.rollouts import SamplingParams
-from rollout_worker.environments.episode import Episode, EpisodeRun, Limits
+from rollout_worker.environments.episode import Episode, Limits
 from rollout_worker.environments.episode_rewards import episode_rewards
-from rollout_worker.environments.groups import check_environment, limits_of
-from rollout_worker.environments.host import EnvHosts
-from rollout_worker.environments.stream import Renderer
+from rollout_worker.environments.groups import EpisodeRunner, limits_of
 from rollout_worker.generation import Generator
 from rollout_worker.rewards import Scorer
 
@@ -48,7 +46,7 @@ def exchange_text(ep: Episode) -> str:
     return "\n".join(f"[{m.get('role', '?')}] {m.get('content', '')}" for m in ep.completion)
 
 
-class HeldOutEpisodes:
+class HeldOutEpisodes(EpisodeRunner):
     """Greedy episodes of the run's environment, for the Evaluator (rollout_worker/evaluation.py)."""
 
     def __init__(
@@ -60,11 +58,8 @@ class HeldOutEpisodes:
         success_threshold: float,
         concurrency: int,
     ):
-        check_environment(spec)
-        self.spec, self.limits, self.gen, self.scorer = spec, limits, generator, scorer
+        super().__init__(spec, limits, generator, scorer, concurrency)
         self.success_threshold = success_threshold
-        self.hosts = EnvHosts(max_idle=concurrency)
-        self.renderer = Renderer(generator)
 
     @classmethod
     def for_settings(
@@ -82,16 +77,8 @@ class HeldOutEpisodes:
 
     async def episode(self, row: dict[str, Any], model: str, version: int) -> Episode:
         """One greedy episode of `row`; an environment's failure is in the Episode's `error`, never raised."""
-        proc = self.hosts.acquire()
-        try:
-            run = EpisodeRun(self.spec, proc, self.gen, self.renderer, self.limits)
-            eid = f"eval-v{version}-{row.get('prompt_id', '')}-{uuid.uuid4().hex[:8]}"  # its turns' X-Session-ID
-            return await run.run(eid, row, model, version, snapshot=bool(self.scorer.specs))
-        except BaseException:
-            proc.kill()  # cut (cancelled) or a generation failure mid-episode: the instance is not left half-used
-            raise
-        finally:
-            self.hosts.release(proc)
+        eid = f"eval-v{version}-{row.get('prompt_id', '')}-{uuid.uuid4().hex[:8]}"  # its turns' X-Session-ID
+        return await self.run_episode(eid, row, model, version)
 
     async def judge(self, done: list[tuple[dict[str, Any], Episode]]) -> Judged:
         """The finished episodes' rewards; a reward function that failed fails the evaluation (RuntimeError), as the
@@ -128,7 +115,7 @@ class HeldOutEpisodes:
         self.hosts.idle.clear()
 
     def close(self) -> None:
-        self.hosts.close()
+        super().close()
         self.scorer.close()
 
 
