@@ -215,14 +215,15 @@ def _fused_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def compile_layers(model: PeftModel) -> None:
+def compile_layers(model: PeftModel, backend: str = "inductor") -> None:
     """torch.compile each decoder layer (fuses the LoRA and normalisation element-wise work). Rows are then padded
     to a multiple of packing's `row_quantum`, and each row length compiles once (dynamic=False: a graph with a
-    symbolic length would be slower, and flex attention's kernels are tuned per length)."""
+    symbolic length would be slower, and flex attention's kernels are tuned per length). `backend`: torch.compile's
+    (tests on a CPU may capture the graphs without inductor's code generation)."""
     # 16 row lengths at most (row_quantum), forward and backward
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.get_base_model().base_model.layers:
-        layer.compile(dynamic=False)
+        layer.compile(dynamic=False, backend=backend)
 
 
 def adapter_files(model: PeftModel) -> dict[str, bytes]:
