@@ -284,6 +284,15 @@ t)
     bench pdl_mix 80 "${LT[@]}" --inductor '{"triton.enable_pdl": true, "triton.mix_order_reduction_max_reads": 0}'
     bench base2 50 "${LT[@]}"
     ;;
+u)
+    # 2026-12-06, fifth session: where the default step leaves the GPU idle (the profile's timeline,
+    # benchmarks/gpu_timeline.py; the step was 0.941 s against 0.910 s of kernels), rows now built from typed arrays
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench lt_timeline 110 "${LT[@]}" --profile "$OUT/prof_longtail.txt"
+    bench fx_timeline 70 "${FIX[@]}" --profile "$OUT/prof_fixed.txt"
+    bench lt_fresh 150 "${LT[@]}" --fresh --steps 8
+    bench lt_again 50 "${LT[@]}"
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

@@ -75,6 +75,23 @@ def set_inductor_config(values: dict) -> None:
         setattr(target, leaf, value)
 
 
+def profile_timeline(prof, table_path: str) -> dict:
+    """The profiled step's device timeline (benchmarks/gpu_timeline.py); its chrome trace gzipped beside the table."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from benchmarks.gpu_timeline import load, summarize
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = f"{tmp}/trace.json"
+        prof.export_chrome_trace(raw)
+        summary = summarize(load(raw))
+        with open(raw, "rb") as src, gzip.open(table_path + ".trace.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return summary
+
+
 def swiglu_tiles() -> dict | None:
     if "trainer.kernels.swiglu_lora" not in sys.modules:
         return None
@@ -324,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     peak_gb = (
         torch.cuda.max_memory_allocated() / 2**30 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     )
+    timeline = None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -332,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by=sort, row_limit=150, max_name_column_width=140))
+        if gpu:  # the step's timeline: where the GPU waits (benchmarks/gpu_timeline.py), the trace kept beside
+            timeline = profile_timeline(prof, args.profile)
 
     ref_s = None
     if args.reference_steps:
@@ -389,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": dp.world,
         "dp": args.dp if dp.world > 1 else None,
         "threads": torch.get_num_threads(),
+        "gpu_timeline": timeline,
     }
     result = with_cpu(result)
     if dp.is_main:

@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.kernels import ChunkedLogProbFunction
 
+from trainer.host_arrays import host_array, repeat, to_tensor
 from trainer.kernels import tree_attention
 from trainer.kernels.logprob_head import FULL_VOCAB_MAX, FullVocabLogProbs, KeptLogitsLogProbs, keeps_logits
 
@@ -135,18 +136,10 @@ def plan(units: list[Unit], token_budget: int) -> list[list[Unit]]:
 
 def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
     """The row of some units, padded to a multiple of `pad_to` (pad positions attend to themselves only)."""
-    ids: list[int] = []
-    pos: list[int] = []
-    block: list[int] = []
-    prefix: list[int] = []
+    ids, pos, predict, targets, seq = (host_array(torch.long) for _ in range(5))
+    block, prefix = host_array(torch.int32), host_array(torch.int32)
+    old, adv, weight, inv_t = (host_array(torch.float32) for _ in range(4))
     blocks: list[tuple[int, int, int, int]] = []
-    predict: list[int] = []
-    targets: list[int] = []
-    old: list[float] = []
-    adv: list[float] = []
-    weight: list[float] = []
-    inv_t: list[float] = []
-    seq: list[int] = []
     n_seq = 0
 
     def add_block(tokens: list[int], positions: range, pre: int, pre_span: tuple[int, int]) -> int:
@@ -155,8 +148,8 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
         blocks.append((start, start + len(tokens), *pre_span))
         ids.extend(tokens)
         pos.extend(positions)
-        block.extend([b] * len(tokens))
-        prefix.extend([pre] * len(tokens))
+        repeat(block, b, len(tokens))
+        repeat(prefix, pre, len(tokens))
         return b
 
     for unit in units:
@@ -181,31 +174,28 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
                 targets.extend(c.ids[i] for i in keep)
                 old.extend(c.old_logprobs[i] for i in keep)
                 n = len(keep)
-            adv.extend([c.advantage] * n)
-            weight.extend([c.weight] * n)
-            inv_t.extend([c.inv_temperature] * n)
-            seq.extend([n_seq] * n)
+            repeat(adv, c.advantage, n)
+            repeat(weight, c.weight, n)
+            repeat(inv_t, c.inv_temperature, n)
+            repeat(seq, n_seq, n)
             n_seq += 1
     real = len(ids)
     for _ in range(-real % pad_to):
         add_block([0], range(1), -1, (len(ids), len(ids)))
-
-    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype)
-
+    long, f32 = torch.long, torch.float32
     return MicroBatch(
-        input_ids=t(ids, torch.long)[None],
-        position_ids=t(pos, torch.long)[None],
-        block=t(block, torch.int32),
-        prefix=t(prefix, torch.int32),
+        input_ids=to_tensor(ids, long)[None],
+        position_ids=to_tensor(pos, long)[None],
+        block=to_tensor(block, torch.int32),
+        prefix=to_tensor(prefix, torch.int32),
         blocks=blocks,
-        predict=t(predict, torch.long),
-        targets=t(targets, torch.long),
-        old_logprobs=t(old, torch.float32),
-        advantages=t(adv, torch.float32),
-        weights=t(weight, torch.float32),
-        inv_temperature=t(inv_t, torch.float32),
-        sequence=t(seq, torch.long),
+        predict=to_tensor(predict, long),
+        targets=to_tensor(targets, long),
+        old_logprobs=to_tensor(old, f32),
+        advantages=to_tensor(adv, f32),
+        weights=to_tensor(weight, f32),
+        inv_temperature=to_tensor(inv_t, f32),
+        sequence=to_tensor(seq, long),
         tokens=real,
     )
 

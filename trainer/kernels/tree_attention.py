@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.host_arrays import host_array, to_tensor
+
 
 @dataclass
 class VarlenRow:
@@ -49,7 +51,7 @@ def varlen_row(blocks: list[tuple[int, int, int, int]], real: int, total: int) -
     """The sequences of a row of `total` positions whose blocks are (start, end, prompt start, prompt end) in row
     order. Positions from `real` on are padding: they become one causal sequence of their own (nothing is
     predicted from them, so what they attend to only has to be finite), not one sequence per pad position."""
-    cu_q, cu_k, index = [0], [0], []
+    cu_q, cu_k, index = [0], [0], host_array(torch.long)
     max_q = max_k = 0
     for start, end, p_start, p_end in blocks:
         if start >= real:
@@ -68,11 +70,10 @@ def varlen_row(blocks: list[tuple[int, int, int, int]], real: int, total: int) -
         cu_q.append(total)
         cu_k.append(cu_k[-1] + total - real)
         max_q, max_k = max(max_q, total - real), max(max_k, total - real)
-
-    def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype)
-
-    return VarlenRow(t(cu_q, torch.int32), t(cu_k, torch.int32), t(index, torch.long), max_q, max_k, total)
+    i32 = torch.int32
+    return VarlenRow(
+        torch.tensor(cu_q, dtype=i32), torch.tensor(cu_k, dtype=i32), to_tensor(index, torch.long), max_q, max_k, total
+    )
 
 
 _ROW: VarlenRow | None = None
