@@ -42,7 +42,24 @@ OPTION_SETS: list[dict | str] = [
     # the tree mask; the prompt's extra queries are computed and dropped)
     "cudnn",
     "cudnn_square",
+    # 16: flash-attn-4's CuTe kernels (Hopper's, where torch's FlashAttention is version 2) on the same sequences
+    # and gathered keys as 13; its native GQA needs no expanded key gradients. Carried to the device as wheels.
+    "fa4",
 ]
+
+
+def fa4_tree(q, k, v, scale: float, row):
+    """The row's tree attention by flash-attn-4's varlen function: flex's [1, H, T, D] in and out."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    qf = q[0].transpose(0, 1).contiguous()
+    kg = k[0].transpose(0, 1).index_select(0, row.kv_index)
+    vg = v[0].transpose(0, 1).index_select(0, row.kv_index)
+    out, _ = flash_attn_varlen_func(
+        qf, kg, vg, cu_seqlens_q=row.cu_q, cu_seqlens_k=row.cu_k, max_seqlen_q=row.max_q, max_seqlen_k=row.max_k,
+        softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def cudnn_layout(blocks: list[tuple[int, int, int, int]], real: int, total: int) -> dict:
@@ -122,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     v = torch.randn(1, kv_heads, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(1, heads, t, head_dim, device="cuda", dtype=torch.bfloat16)
     g[:, :, mb.tokens :] = 0  # the pads' outputs feed nothing
-    tree_attention.set_row(tree_attention.varlen_row(mb.blocks, mb.tokens, t).to("cuda"))
+    varlen_row = tree_attention.varlen_row(mb.blocks, mb.tokens, t).to("cuda")
+    tree_attention.set_row(varlen_row)
     flex = torch.compile(flex_attention)
     layout = cudnn_layout(mb.blocks, mb.tokens, t)
     out: dict = {"benchmark": "flex_sweep", "gpu": torch.cuda.get_device_name(), "row_tokens": t, "sets": []}
@@ -134,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         def fwd(kw=kw, varlen=options == "varlen", options=options):
             if options in ("cudnn", "cudnn_square"):
                 return cudnn_tree(q, k, v, head_dim**-0.5, layout, options == "cudnn_square").transpose(1, 2)
+            if options == "fa4":
+                return fa4_tree(q, k, v, head_dim**-0.5, varlen_row)
             if varlen:  # [1, T, H, D] -> flex's [1, H, T, D]
                 return tree_attention.tree_attention(q, k, v, head_dim**-0.5).transpose(1, 2)
             return flex(q, k, v, block_mask=mask, scale=head_dim**-0.5, enable_gqa=True, **kw)
