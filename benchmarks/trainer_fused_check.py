@@ -2,15 +2,16 @@
 
     python -m benchmarks.trainer_fused_check --json [--shape qwen2.5-1.5b] [--layers 4] [--liger all] [--fused-mlp]
         [--concat-projections] [--keep-logits] [--flex-options JSON] [--inductor JSON]
-        [--attention varlen]
+        [--attention varlen] [--fa4 auto]
 
 The same random weights (and a random, non-zero LoRA B, so that every LoRA gradient is non-zero) run one
 long-tail step's rows three ways: the reference (layers compiled, no fused MLP, no concatenated products, TRL's
 chunked log-prob), the same eager, and the candidate (`--liger` parts, `--fused-mlp`, `--concat-projections` with
 it, `--keep-logits`, flex's `--flex-options`, `--inductor` config values, `--attention varlen`: FlashAttention's
-varlen kernel instead of flex, compiled). bf16 rounding makes any two
-kernel orders differ a little; the candidate passes when it is no farther from the default than the eager path is
-(x `--slack`), and its gradients point the same way (cosine >= 0.999). The last line is one JSON object.
+varlen kernel instead of flex, compiled; `--fa4 auto`: flash-attn-4's kernels for it, where installed). bf16
+rounding makes any two kernel orders differ a little; the candidate passes when it is no farther from the default
+than the eager path is (x `--slack`), and its gradients point the same way (cosine >= 0.999).
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidat
     for name, p in model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero, which would leave every A gradient zero
             p.data.copy_(torch.randn(p.shape, generator=gen) * 1e-2)
+    import trainer.kernels.fa4 as fa4
+
+    fa4.FA4 = args.fa4 if candidate else "off"  # the reference attends with torch's FlashAttention 2
     apply_liger(model, parse_parts(liger))
     if fused_mlp:
         fuse_lora_mlps(model, candidate and args.concat_projections)
@@ -98,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex-options", default="", help="the candidate's flex kernel_options as JSON")
     p.add_argument("--inductor", default="", help="the candidate's torch._inductor.config values as JSON")
     p.add_argument("--attention", default="", choices=["", "flex", "varlen"], help="the candidate's GPU attention")
+    p.add_argument(
+        "--fa4",
+        default="off",
+        choices=["off", "auto"],
+        help="the candidate's varlen kernel: auto = "
+        "flash-attn-4 where installed on a Hopper card (trainer/kernels/fa4.py)",
+    )
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=8192)
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "inductor": json.loads(args.inductor) if args.inductor else None,
         "attention": args.attention or None,
+        "fa4": args.fa4,
         "loss": default[0],
         "eager_vs_default": eager,
         "fused_vs_default": fused,

@@ -65,6 +65,30 @@ LT=(--shape qwen2.5-1.5b --lengths longtail)
 FIX=(--shape qwen2.5-1.5b --lengths fixed --prompt-tokens 200 --completion-tokens 512)
 FLEX_BWD='{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}'
 
+# flash-attn-4 for sets v and w. Its wheels (flash-attn-4 4.0.0b40, nvidia-cutlass-dsl 4.8.1 for CUDA 13,
+# cuda-bindings 13.0.3, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops, protobuf: 374 MB installed) exceed
+# one call's carry, so they travel installed and xz-compressed in two calls: .fa4/a/ir.so.xz (the DSL's MLIR
+# library; the first call copies it to /tmp/keep), then .fa4/b (the DSL's runtime library and a tar of the rest).
+unpack_fa4() {
+    python3 - <<'PY' >>"$LOG" 2>&1
+import lzma, os, shutil, tarfile
+site = "/tmp/fa4site"
+os.makedirs(site, exist_ok=True)
+with tarfile.open(".fa4/b/small.tar.xz", "r:xz") as t:
+    t.extractall(site, filter="tar")
+dsl = os.path.join(site, "nvidia_cutlass_dsl")
+ir = next(p for p in ("/tmp/keep/ir.so.xz", ".fa4/a/ir.so.xz") if os.path.exists(p))
+for src, dst in ((ir, "dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so"),
+                 (".fa4/b/rt.so.xz", "cu13/lib/libcute_dsl_runtime.so")):
+    with lzma.open(src) as f, open(os.path.join(dsl, dst), "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.chmod(os.path.join(dsl, dst), 0o755)
+print("fa4 unpacked", sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(site) for f in fs))
+PY
+    # the DSL's .pth file is not read from PYTHONPATH, so its package folder is named too
+    export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+}
+
 case $SET in
 a)
     {
@@ -296,33 +320,26 @@ u)
 v)
     # flash-attn-4's CuTe kernels (Hopper's) on one row's tree sequences against torch's FlashAttention 2 varlen
     # (flex_sweep sets 13 and 16: equality and forward / backward time), long tail and fixed
-    # Its wheels (flash-attn-4 4.0.0b40, nvidia-cutlass-dsl 4.8.1 for CUDA 13, cuda-bindings 13.0.3, quack-kernels,
-    # apache-tvm-ffi, torch-c-dlpack-ext, einops, protobuf: 374 MB installed) exceed one call's carry, so they travel
-    # installed and xz-compressed in two calls: .fa4/a/ir.so.xz (the DSL's MLIR library; the first call copies it
-    # to /tmp/keep), then .fa4/b (the DSL's runtime library and a tar of the rest).
-    python3 - <<'PY' >>"$LOG" 2>&1
-import lzma, os, shutil, tarfile
-site = "/tmp/fa4site"
-os.makedirs(site, exist_ok=True)
-with tarfile.open(".fa4/b/small.tar.xz", "r:xz") as t:
-    t.extractall(site, filter="tar")
-dsl = os.path.join(site, "nvidia_cutlass_dsl")
-ir = next(p for p in ("/tmp/keep/ir.so.xz", ".fa4/a/ir.so.xz") if os.path.exists(p))
-for src, dst in ((ir, "dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so"),
-                 (".fa4/b/rt.so.xz", "cu13/lib/libcute_dsl_runtime.so")):
-    with lzma.open(src) as f, open(os.path.join(dsl, dst), "wb") as g:
-        shutil.copyfileobj(f, g)
-    os.chmod(os.path.join(dsl, dst), 0o755)
-print("fa4 unpacked", sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(site) for f in fs))
-PY
-    # the DSL's .pth file is not read from PYTHONPATH, so its package folder is named too
-    export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+    unpack_fa4
     {
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         python3 -c "import torch, flash_attn.cute, cutlass; print(torch.__version__, torch.version.cuda, cutlass.__file__)"
     } >>"$LOG" 2>&1
     run fa4_sweep 300 benchmarks.flex_sweep --token-budget 16384 --sets 13,16
     run fa4_sweep_fixed 150 benchmarks.flex_sweep --token-budget 16384 --sets 13,16 --lengths fixed
+    ;;
+w)
+    # flash-attn-4 in the trainer (trainer/kernels/fa4.py): the step's loss and gradients against the reference path,
+    # then the step with and without it, long tail (profiled) and fixed, and with fresh data every step
+    unpack_fa4
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    run fused_check_fa4 150 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits \
+        --attention varlen --fa4 auto
+    bench fa4_longtail 110 "${LT[@]}" --fa4 auto --profile "$OUT/prof_longtail_fa4.txt"
+    bench fa2_longtail 60 "${LT[@]}" --fa4 off
+    bench fa4_fixed 60 "${FIX[@]}" --fa4 auto
+    bench fa2_fixed 50 "${FIX[@]}" --fa4 off
+    bench fa4_fresh 100 "${LT[@]}" --fa4 auto --fresh --steps 8
     ;;
 *)
     echo "unknown set $SET" >&2

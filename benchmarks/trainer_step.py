@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--flex-options", default="", help="flex attention's kernel_options as JSON (default: flex's)")
     p.add_argument("--attention", default="", choices=["", "flex", "varlen"], help="the GPU's attention kernel")
+    p.add_argument("--fa4", default="auto", choices=["auto", "off"], help="varlen on flash-attn-4 where installed")
     p.add_argument(
         "--inductor",
         default="",
@@ -251,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         import trainer.packing
 
         trainer.packing.GPU_ATTENTION = args.attention
+    import trainer.kernels.fa4 as fa4
+
+    fa4.FA4 = args.fa4
     inductor = json.loads(args.inductor) if args.inductor else {}
     set_inductor_config(inductor)
     if args.swiglu_tiles:
@@ -399,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "flex_options": json.loads(args.flex_options) if args.flex_options else None,
         "inductor": inductor or None,
         "attention": attention_kernel(device, matmul_dtype),  # the kernel the rows ran with
+        "varlen_kernel": fa4.kernel_name(device) if gpu else None,
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,

@@ -11,6 +11,7 @@ docs/trainer-gpu.md) and evaluates the mask function on every element of the par
 The keys and values are gathered per sequence (a prompt's K and V once per completion of its unit: a few thousand
 rows of [kv heads, head_dim], small beside the queries); the backward sums their gradients back. FlashAttention's
 backward accumulates dQ with atomics, so two backward passes may differ in the last bit (as flex's do not).
+On a Hopper card with flash-attn-4 installed, its kernels run instead of torch's FlashAttention 2 (fa4.py).
 
 The row's layout is set once per row (`set_row`, before its forward; its backward reads the same) and read by
 every layer, as flex's block mask is built once per row. On a CPU the same ops compute the attention sequence by
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from trainer.host_arrays import host_array, to_tensor
+from trainer.kernels import fa4
 
 
 @dataclass
@@ -148,6 +150,8 @@ def _gather(k: Tensor, v: Tensor, row: VarlenRow) -> tuple[Tensor, Tensor]:
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     row = _row(q)
     kg, vg = _gather(k, v, row)
+    if q.is_cuda and (module := fa4.interface(q.device)) is not None:
+        return fa4.forward(module, q, kg, vg, row, scale)
     if q.is_cuda:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             q, kg, vg, row.cu_q, row.cu_k, row.max_q, row.max_k, 0.0, True, False, scale=scale
@@ -167,7 +171,9 @@ def _backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     row = _row(q)
     kg, vg = _gather(k, v, row)
-    if q.is_cuda:
+    if q.is_cuda and (module := fa4.interface(q.device)) is not None:
+        dq, dkg, dvg = fa4.backward(module, grad, q, kg, vg, out, lse, row, scale)
+    elif q.is_cuda:
         rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
         dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
             grad, q, kg, vg, out, lse, row.cu_q, row.cu_k, row.max_q, row.max_k, 0.0, True, rng, unused, scale=scale
