@@ -333,10 +333,10 @@ w)
     # then the step with and without it, long tail (profiled) and fixed, and with fresh data every step
     unpack_fa4
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
-    run fused_check_fa4 120 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits \
-        --attention varlen --fa4 auto
     bench fa4_longtail 100 "${LT[@]}" --fa4 auto --profile "$OUT/prof_longtail_fa4.txt"
     bench fa2_longtail 55 "${LT[@]}" --fa4 off
+    run fused_check_fa4 120 benchmarks.trainer_fused_check --shape qwen2.5-1.5b --layers 4 --fused-mlp --keep-logits \
+        --attention varlen --fa4 auto
     bench fa4_fixed 55 "${FIX[@]}" --fa4 auto
     bench fa2_fixed 45 "${FIX[@]}" --fa4 off
     bench fa4_fresh 100 "${LT[@]}" --fa4 auto --fresh --steps 8
