@@ -25,6 +25,7 @@ from trainer.canary import canary_fields
 from trainer.config import TrainerConfig
 from trainer.distributed import DataParallel
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics
+from trainer.kernels import fa4
 from trainer.metrics import TrainerMetrics
 from trainer.model import (
     OPTIMIZER_FILE,
@@ -37,7 +38,7 @@ from trainer.model import (
     load_optimizer,
     optimizer_bytes,
 )
-from trainer.packing import FLEX_BLOCK, build, row_quantum, row_tokens, rows
+from trainer.packing import FLEX_BLOCK, VARLEN, attention_kernel, build, row_quantum, row_tokens, rows
 from trainer.schedule import lr_at
 from trainer.stopping import StopRequest, hold_publish
 
@@ -59,6 +60,10 @@ class Trainer:
             compile_layers(self.model)
         self.loss = LossConfig.from_settings(settings)
         self.token_budget = settings.token_budget or default_token_budget(self.model, self.device)
+        if self.device.type == "cuda":  # which attention kernel the rows run with, said once at start
+            kernel = attention_kernel(self.device, next(self.model.parameters()).dtype)
+            varlen = f" ({fa4.kernel_name(self.device)})" if kernel == VARLEN else ""
+            log.info("GPU attention: %s%s; token budget %d", kernel, varlen, self.token_budget)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
         self.buffer = RolloutBuffer(store, manifest.max_staleness)
