@@ -69,6 +69,7 @@ FLEX_BWD='{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "bwd_
 # cuda-bindings 13.0.3, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops, protobuf: 374 MB installed) exceed
 # one call's carry, so they travel installed and xz-compressed in two calls: .fa4/a/ir.so.xz (the DSL's MLIR
 # library; the first call copies it to /tmp/keep), then .fa4/b (the DSL's runtime library and a tar of the rest).
+# benchmarks/fa4_carry.sh builds both.
 unpack_fa4() {
     python3 - <<'PY' >>"$LOG" 2>&1
 import lzma, os, shutil, tarfile
