@@ -52,7 +52,7 @@ def interface(device: torch.device) -> Any | None:
 
 
 def kernel_name(device: torch.device) -> str:
-    """ "fa4" or "fa2": the varlen kernel the tree attention runs on `device`."""
+    """The varlen kernel the tree attention runs on `device`: "fa4" or "fa2"."""
     return "fa4" if interface(device) is not None else "fa2"
 
 
