@@ -27,7 +27,7 @@ def repeat(values: array, value: float, n: int) -> None:
 
 def to_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor over the array's memory (no copy; the tensor keeps the array alive)."""
-    if values.typecode != _CODES[dtype] or values.itemsize != torch.empty(0, dtype=dtype).element_size():
+    if values.typecode != _CODES[dtype] or values.itemsize != dtype.itemsize:
         raise TypeError(f"an array of typecode {values.typecode!r} cannot back a {dtype} tensor")
     if not values:  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype)

@@ -16,8 +16,9 @@ from trainer.kernels import fa4
 def fresh(monkeypatch):
     monkeypatch.setattr(fa4, "_interface", fa4._UNSET)
     monkeypatch.setattr(fa4, "FA4", "auto")
+    fa4._capability.cache_clear()  # each test stands in its own card
     yield
-    fa4._interface = fa4._UNSET
+    fa4._capability.cache_clear()
 
 
 def test_a_cpu_and_off_run_flashattention_2(fresh, monkeypatch):

@@ -15,6 +15,7 @@ log line saying why.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -32,7 +33,7 @@ _interface: Any = _UNSET
 def interface(device: torch.device) -> Any | None:
     """flash-attn-4's interface module where the rows on `device` should use it, else None."""
     global _interface
-    if FA4 == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+    if FA4 == "off" or device.type != "cuda" or _capability(device.index) != (9, 0):
         return None
     if _interface is _UNSET:
         try:
@@ -49,6 +50,12 @@ def interface(device: torch.device) -> Any | None:
                 )
             _interface = None
     return _interface
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    # asked by both tree attention ops of every layer, every row: the card does not change
+    return torch.cuda.get_device_capability(index)
 
 
 def kernel_name(device: torch.device) -> str:
