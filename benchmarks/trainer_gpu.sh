@@ -342,6 +342,19 @@ w)
     bench fa2_fixed 45 "${FIX[@]}" --fa4 off
     bench fa4_fresh 100 "${LT[@]}" --fa4 auto --fresh --steps 8
     ;;
+x)
+    # 2026-12-06, sixth session: flash-attn-4 on the fixed shape with time to compile, and its disk cache across
+    # processes (the first run compiles into it; the next runs' first steps show what a restarted trainer pays)
+    unpack_fa4
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench fa4_fixed 150 "${FIX[@]}" --fa4 auto
+    bench fa2_fixed 60 "${FIX[@]}" --fa4 off
+    bench fa4_longtail 90 "${LT[@]}" --fa4 auto
+    bench fa2_longtail 55 "${LT[@]}" --fa4 off
+    bench fa4_fresh 110 "${LT[@]}" --fa4 auto --fresh --steps 8
+    du -sh /tmp/fa4cache >>"$LOG" 2>&1
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2
