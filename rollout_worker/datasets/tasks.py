@@ -67,8 +67,16 @@ def task_config(spec: TaskSpec, level: int) -> Any:
         if hasattr(config, "validate"):
             config.validate()
     except (AssertionError, ValueError, TypeError) as exc:
+        # a curriculum can give a config its own check rejects (reasoning-gym 0.1.x: knight_swap at every level,
+        # caesar_cipher and survo from level 2, modulo_grid at 1): say where it came from and what to change
+        where = (
+            f"its curriculum's level {level} gives a config that reasoning-gym rejects; set the field named as "
+            f"an option (reasoning-gym:{spec.task}:FIELD=VALUE,...) or leave levels out (the task's own defaults)"
+            if spec.levels > 1
+            else "set the field named to a valid value"
+        )
         raise SpecError(
-            f"reasoning-gym task {spec.task} at level {level}: invalid config ({exc or 'a check failed'})"
+            f"reasoning-gym task {spec.task} at level {level}: invalid config ({exc or 'a check failed'}): {where}"
         ) from None
     return config
 

@@ -162,6 +162,8 @@ def test_curriculum_levels_follow_the_tasks_difficulty():
         ("reasoning-gym:chain_sum:max_digitz=1", ["no option max_digitz", "max_digits"]),
         ("reasoning-gym:gsm_symbolic:levels=2", ["gsm_symbolic has no curriculum"]),
         ("reasoning-gym:chain_sum:min_digits=3,max_digits=2", ["invalid config", "max_digits must be >= min_digits"]),
+        # with levels, the curriculum's config is the one the option broke: both ways out are named
+        ("reasoning-gym:chain_sum:levels=2,min_digits=9", ["at level 0", "curriculum's level 0", "leave levels out"]),
     ],
 )
 def test_bad_tasks_and_options_say_what_is_known(spec, words):
