@@ -150,6 +150,13 @@ class Sample(BaseModel):
         return self.loss_mask is not None
 
     @property
+    def clipped(self) -> bool:
+        """The reply was cut at its token limit, not ended by the model: vLLM's finish_reason "length"
+        (max_completion_length, or an episode's room left). An episode has it when such a reply ended it; one
+        its environment or a bound ended has that reason instead. TRL's `clipped_ratio` counts the same."""
+        return self.finish_reason == "length"
+
+    @property
     def trained_tokens(self) -> int:
         """Tokens the trainer trains on (mask 1)."""
         return sum(self.loss_mask) if self.loss_mask is not None else len(self.completion_ids)

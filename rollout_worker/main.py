@@ -296,7 +296,7 @@ class Worker:
                     replica=replica,
                     generated_at=group.generated_at,
                 )
-        self.metrics.group([s.reward for s in group.samples], sum(s.trained_tokens for s in group.samples))
+        self.metrics.group(group.samples)
         self.output.add(group)
         self.unwritten.append((group, ticket))
         mean = sum(s.reward for s in group.samples) / len(group.samples)

@@ -8,12 +8,13 @@ the generation loop touches no Prometheus object for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import Counter, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from bucket.rollouts import Sample
 from jobkit.metrics import ScrapeCollector, ServedMetrics
 
 
@@ -91,6 +92,12 @@ class RolloutMetrics(ServedMetrics):
             "not counted: they were not generated).",
             registry=r,
         )
+        self.clipped = Counter(
+            "brigade_rollout_completions_clipped",
+            "Completions cut at their token limit (finish_reason 'length': max_completion_length, or an episode's "
+            "room left); rate over the rate of sample_reward_count is TRL's clipped_ratio.",
+            registry=r,
+        )
         self.reward = Summary(
             "brigade_rollout_sample_reward",
             "Reward of each completion (mean over a window: rate of _sum / rate of _count).",
@@ -102,8 +109,10 @@ class RolloutMetrics(ServedMetrics):
             registry=r,
         )
 
-    def group(self, rewards: list[float], sampled_tokens: int) -> None:
+    def group(self, samples: Sequence[Sample]) -> None:
+        """A scored group's samples counted: its tokens sampled, those cut at their limit, every reward."""
         self.groups.inc()
-        self.generated_tokens.inc(sampled_tokens)
-        for reward in rewards:
-            self.reward.observe(reward)
+        self.generated_tokens.inc(sum(s.trained_tokens for s in samples))
+        self.clipped.inc(sum(s.clipped for s in samples))
+        for s in samples:
+            self.reward.observe(s.reward)

@@ -25,7 +25,7 @@ from bucket.store import NotFound, Store
 from infra.dashboard.episodes import Episodes
 from infra.dashboard.heartbeats import Heartbeats
 from infra.summary import run_figures
-from infra.summary_lengths import group_lengths, lengths_figures
+from infra.summary_lengths import clipped_count, group_lengths, lengths_figures
 from infra.summary_phases import phase_figures
 from infra.timeline import VERSION_KINDS, Timeline, VersionSync
 
@@ -108,6 +108,7 @@ class RunData:
         self.eval_skips: list[dict[str, Any]] = []  # versions that came due while an evaluation ran
         self.reward_failures = 0
         self.group_lengths: dict[str, list[int]] = {}  # sampled tokens per completion, by group (summary_lengths)
+        self.clipped = 0  # samples cut at their token limit (summary_lengths)
         self.episodes = Episodes()  # an environment run's episodes and env_failed events (none for single-turn)
         self.first_ts: float | None = None
         self.last_ts: float | None = None
@@ -203,6 +204,7 @@ class RunData:
             self.groups_written += len(read.shard.groups)
             groups += [(g, read.record.writer) for g in read.shard.groups]
             self.group_lengths.update(group_lengths([read]))
+            self.clipped += clipped_count([read])
         for g, worker in sorted(groups, key=lambda gw: gw[0].generated_at):
             self.generated.append((g.generated_at, sum(len(s.completion_ids) for s in g.samples)))
             for s in g.samples:
@@ -316,4 +318,5 @@ class RunData:
         )
         # as `brigade summary`: episodes absent for a single-turn run
         phases = phase_figures(self.steps, self.curriculum, self.evals)
-        return figures | self.episodes.figures() | lengths_figures(self.group_lengths, self.lineage) | phases
+        lengths = lengths_figures(self.group_lengths, self.lineage, self.clipped)
+        return figures | self.episodes.figures() | lengths | phases

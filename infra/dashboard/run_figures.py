@@ -1,6 +1,7 @@
 """The run figures of `brigade summary` beyond steps, rewards and sync: the best held-out version beside the
-final one (infra/best_version.py), and what was dropped and the lengths generated against trained
-(infra/summary_lengths.py). Every key carries its exact value, as the page's other figures do."""
+final one (infra/best_version.py), and what was dropped, the lengths generated against trained and the share
+cut at their token limit (infra/summary_lengths.py). Every key carries its exact value, as the page's other
+figures do."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def best_and_lengths(s: dict[str, Any]) -> str:
         + _lengths("completion_len_generated", s.get("completion_len_generated"))
         + "; trained "
         + _lengths("completion_len_trained", s.get("completion_len_trained"))
+        + "; cut at the token limit: "
+        + metric("clipped_ratio", s.get("clipped_ratio"), number(s.get("clipped_ratio"), ".0%"))
+        + " ("
+        + metric("completions_clipped", s.get("completions_clipped"), str(s.get("completions_clipped", "-")))
+        + ")"
         + "; dropped: "
         + metric("groups_dropped_by_reason", drops, text),
     )

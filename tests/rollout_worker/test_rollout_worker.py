@@ -66,6 +66,7 @@ def _check_metrics(metrics_url: str, store, num_generations: int) -> None:
     assert m["brigade_rollout_sample_reward_count"] == num_generations * m["brigade_rollout_groups_scored_total"]
     assert 0 <= m["brigade_rollout_sample_reward_sum"] <= m["brigade_rollout_sample_reward_count"]
     assert m["brigade_rollout_generated_tokens_total"] >= m["brigade_rollout_sample_reward_count"]  # >= 1 per sample
+    assert 0 <= m["brigade_rollout_completions_clipped_total"] <= m["brigade_rollout_sample_reward_count"]
     assert 0 <= m["brigade_rollout_inflight_groups"] <= 2  # max_inflight_groups
     assert m["brigade_rollout_waiting_for_trainer"] == 0  # max_unconsumed_groups 0: never held back
     assert m["brigade_rollout_adapter_version"] == max(g.adapter_version for s in shards for g in s.groups)
