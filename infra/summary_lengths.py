@@ -107,7 +107,7 @@ def lines(summary: dict[str, Any]) -> list[str]:
         if clipped is not None and clipped >= CLIPPED_WARN:
             out.append(
                 f"  {clipped:.0%} of the completions were cut at their token limit ({gen['max']} tokens at most): "
-                "their rewards judged unfinished replies; raise --rollout.max-completion-length "
-                "(an environment's: --rollout.max-episode-tokens too)"
+                "their rewards judged unfinished replies; raise --rollout.max-completion-length"
+                + (" (and --rollout.max-episode-tokens, an episode's room)" if "episodes" in summary else "")
             )
     return out

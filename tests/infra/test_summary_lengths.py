@@ -56,4 +56,6 @@ def test_completions_cut_at_their_limit_are_counted_and_named(local_store: Store
     assert fig["completions_clipped"] == 9 and fig["clipped_ratio"] == 9 / 12
     text = "\n".join(lines({**fig, "groups_dropped_by_reason": {}}))
     assert "75% of the completions were cut at their token limit (16 tokens at most)" in text
-    assert "raise --rollout.max-completion-length" in text
+    assert "raise --rollout.max-completion-length" in text and "max-episode-tokens" not in text
+    episodes = "\n".join(lines({**fig, "groups_dropped_by_reason": {}, "episodes": 12}))
+    assert "raise --rollout.max-completion-length (and --rollout.max-episode-tokens" in episodes
