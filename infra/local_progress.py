@@ -31,9 +31,12 @@ class Progress:
             self.cursors[rec.writer] = rec.seq
         for e in sorted((r.body for r in new), key=lambda e: e["ts"]):
             if e["kind"] == events.TRAIN_STEP:
+                cut = e.get("completions/clipped_ratio")  # absent from a trainer older than the field
                 self.say(
                     f"  step {e['step']:>4}  reward {e['reward']:.3f}  ratio {e['ratio']:.4f}  "
-                    f"staleness {e['sample/staleness_mean']:.2f}  {e['perf/step_s']:.1f}s"
+                    f"staleness {e['sample/staleness_mean']:.2f}  "
+                    + ("" if cut is None else f"cut {cut:.0%}  ")
+                    + f"{e['perf/step_s']:.1f}s"
                 )
             elif e["kind"] == events.PUBLISHED:
                 self.say(f"  adapter v{e['version']} published at step {e['step']}")

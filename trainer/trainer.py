@@ -187,7 +187,8 @@ class Trainer:
         values = torch.cat([sums.float(), grad_norm.to(sums).reshape(1)]).tolist()  # the one host sync
         m = metrics(values[:-1], self.loss.beta)
         step_s = time.monotonic() - t0
-        rewards = [s.reward for g in groups for s in g.samples]
+        samples = [s for g in groups for s in g.samples]
+        rewards = [s.reward for s in samples]
         m.update(
             {
                 "step": self.step,
@@ -199,6 +200,9 @@ class Trainer:
                 "frac_reward_zero_std": sum(zero) / len(zero),
                 "skipped_zero_variance": sum(zero),
                 "sample/staleness_mean": sum(self.version - g.adapter_version for g in groups) / len(groups),
+                # TRL's names: the step's completions' sampled tokens, and the share cut at their token limit
+                "completions/mean_length": sum(s.trained_tokens for s in samples) / len(samples),
+                "completions/clipped_ratio": sum(s.clipped for s in samples) / len(samples),
                 "perf/step_s": step_s,
                 "perf/wait_s": wait_s,
                 "perf/micro_batches": len(planned),

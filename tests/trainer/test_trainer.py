@@ -182,7 +182,8 @@ def test_zero_variance_groups_are_skipped_and_ledgered(tmp_path, model_dir, base
     bucket, store = _bucket(tmp_path)
     rng = random.Random(1)
     flat = _group(base_model, rng, 0)
-    flat.samples = [s.model_copy(update={"reward": 1.0}) for s in flat.samples]
+    # the flat group's replies were all cut at their token limit (finish_reason "length")
+    flat.samples = [s.model_copy(update={"reward": 1.0, "finish_reason": "length"}) for s in flat.samples]
     flat_too = flat.model_copy(update={"prompt_id": "flat2"})
     writer = ShardWriter(store, "w0")
     writer.write([flat, _group(base_model, rng, 0)])  # step 1: one group skipped, one trained
@@ -193,6 +194,8 @@ def test_zero_variance_groups_are_skipped_and_ledgered(tmp_path, model_dir, base
     assert [e["skipped_zero_variance"] for e in steps] == [1, 2]
     assert [e["frac_reward_zero_std"] for e in steps] == [0.5, 1.0]
     assert steps[0]["samples"] == G and steps[1]["samples"] == 0
+    assert [e["completions/clipped_ratio"] for e in steps] == [0.5, 1.0]  # over all the step's groups, as reward
+    assert [e["completions/mean_length"] for e in steps] == [5.0, 5.0]
     for name in ("ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "reward", "reward_std"):
         assert name in steps[0], name
     assert steps[0]["entropy"] > 0 and abs(steps[0]["ratio"] - 1.0) < 1e-3
