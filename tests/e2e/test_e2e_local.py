@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import statistics
 
 from bucket import checkpoints, events
@@ -25,6 +26,8 @@ def test_run_succeeds_and_prints_summary(local_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "trained samples/s" in proc.stdout
     assert "adapter versions" in proc.stdout
+    # each step's line says the share of its completions cut at their token limit (the trainer's event field)
+    assert any(re.search(r"^  step +\d+ .* cut \d+%  ", line) for line in proc.stdout.splitlines()), proc.stdout[-3000:]
     assert any(line.startswith("CPU ") for line in proc.stdout.splitlines()[:5])  # what the CPU has, first
 
 
