@@ -90,6 +90,17 @@ PY
     export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 }
 
+set_x() {
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench fa4_fixed 150 "${FIX[@]}" --fa4 auto
+    bench fa2_fixed 60 "${FIX[@]}" --fa4 off
+    bench fa4_longtail 90 "${LT[@]}" --fa4 auto
+    bench fa2_longtail 55 "${LT[@]}" --fa4 off
+    bench fa4_fresh 110 "${LT[@]}" --fa4 auto --fresh --steps 8
+    du -sh /tmp/fa4cache >>"$LOG" 2>&1
+}
+
 case $SET in
 a)
     {
@@ -346,14 +357,22 @@ x)
     # 2026-12-06, sixth session: flash-attn-4 on the fixed shape with time to compile, and its disk cache across
     # processes (the first run compiles into it; the next runs' first steps show what a restarted trainer pays)
     unpack_fa4
-    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
-    bench fa4_fixed 150 "${FIX[@]}" --fa4 auto
-    bench fa2_fixed 60 "${FIX[@]}" --fa4 off
-    bench fa4_longtail 90 "${LT[@]}" --fa4 auto
-    bench fa2_longtail 55 "${LT[@]}" --fa4 off
-    bench fa4_fresh 110 "${LT[@]}" --fa4 auto --fresh --steps 8
-    du -sh /tmp/fa4cache >>"$LOG" 2>&1
+    set_x
+    ;;
+y)
+    # 2026-12-06, seventh session: on an H200, set x (the goal's figures); on any other card, the profile of the
+    # default step (flash-attn-4) on both shapes, and the 7B / 8B shapes with flash-attn-4
+    unpack_fa4
+    if nvidia-smi -L | grep -q H200; then
+        set_x
+    else
+        export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+        bench fa4_fixed_prof 150 "${FIX[@]}" --fa4 auto --profile "$OUT/prof_fixed_fa4.txt"
+        bench fa4_longtail_prof 100 "${LT[@]}" --fa4 auto --profile "$OUT/prof_longtail_fa4.txt"
+        bench q7b_fa4 150 --shape qwen2.5-7b --lengths longtail --fa4 auto
+        bench q8b_fa4 150 --shape qwen3-8b --lengths longtail --fa4 auto
+    fi
     ;;
 *)
     echo "unknown set $SET" >&2
