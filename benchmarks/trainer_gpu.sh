@@ -374,6 +374,20 @@ y)
         bench q8b_fa4 150 --shape qwen3-8b --lengths longtail --fa4 auto
     fi
     ;;
+z)
+    # 2026-12-06, seventh session: rows dealt to even lengths (trainer/packing.py plan) against first-fit's, whose
+    # short last row left the GPU waiting on the host (set y's fixed-shape timeline: 44 ms idle in the last 100 ms)
+    unpack_fa4
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+    bench fix_even_prof 150 "${FIX[@]}" --profile "$OUT/prof_fixed_even.txt"
+    bench fix_ffd 60 "${FIX[@]}" --rows first-fit
+    bench fix_even 50 "${FIX[@]}"
+    bench lt_even_prof 80 "${LT[@]}" --profile "$OUT/prof_longtail_even.txt"
+    bench lt_ffd 50 "${LT[@]}" --rows first-fit
+    bench lt_even 50 "${LT[@]}"
+    bench lt_fresh 110 "${LT[@]}" --fresh --steps 8
+    ;;
 *)
     echo "unknown set $SET" >&2
     exit 2

@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="", choices=["", "flex", "varlen"], help="the GPU's attention kernel")
     p.add_argument("--fa4", default="auto", choices=["auto", "off"], help="varlen on flash-attn-4 where installed")
     p.add_argument(
+        "--rows",
+        default="even",
+        choices=["even", "first-fit"],
+        help="the trainer's rows (even: first-fit's count, dealt to even lengths) or first-fit's own",
+    )
+    p.add_argument(
         "--inductor",
         default="",
         help="torch._inductor.config values for the compiled layers as JSON, e.g. "
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         dp.barrier()
         t0 = time.perf_counter()
         advs, _ = advantages(groups, loss_cfg.scale_rewards)
-        planned = rows(completions(groups, advs, loss_cfg), budget)
+        planned = rows(completions(groups, advs, loss_cfg), budget, even=args.rows == "even")
         opt.zero_grad(set_to_none=True)
         mine = dp.share(planned, row_tokens)
         row_lengths.update(row_tokens(units) + (-row_tokens(units) % pad) for units in mine)
@@ -404,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "inductor": inductor or None,
         "attention": attention_kernel(device, matmul_dtype),  # the kernel the rows ran with
         "varlen_kernel": fa4.kernel_name(device) if gpu else None,
+        "rows": args.rows,
         "swiglu_tiles": swiglu_tiles(),
         "lora_targets": spec.lora_target_modules,
         "reference_step_s": ref_s,
