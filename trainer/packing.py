@@ -122,7 +122,8 @@ def plan(units: list[Unit], token_budget: int, even: bool = True) -> list[list[U
     """Few rows, each at most `token_budget` tokens (or one unit, if larger), as even in length as they can be.
 
     First-fit decreasing gives the fewest rows it can; with `even`, the units are then dealt again into that many
-    rows, largest first, each to the shortest row with room, and the rows are returned longest first. Why even:
+    rows, largest first, each to the shortest row with room; the plan whose shortest row is longer is kept, its
+    rows longest first. Why even:
     the host's work per row (launching a few thousand kernels) barely depends on the row's length, so a short
     row runs out of queued work and leaves the GPU waiting on the host; first-fit's last row is often short
     (a fixed 200 + 512 step of 16 groups: five rows of 12888 tokens and one of 4296, whose host-bound tail idled
@@ -141,6 +142,7 @@ def plan(units: list[Unit], token_budget: int, even: bool = True) -> list[list[U
             room.append(token_budget - unit.size)
     if not even or len(bins) < 2:
         return bins
+    bins.sort(key=row_tokens, reverse=True)
     dealt: list[list[Unit]] = [[] for _ in bins]
     load = [0] * len(bins)
     for unit in ordered:
@@ -150,7 +152,8 @@ def plan(units: list[Unit], token_budget: int, even: bool = True) -> list[list[U
         i = min(fits, key=load.__getitem__)
         dealt[i].append(unit)
         load[i] += unit.size
-    return sorted(dealt, key=row_tokens, reverse=True)
+    # dealing near the budget can leave a shorter last row than first-fit did: keep whichever's is longer
+    return max((bins, sorted(dealt, key=row_tokens, reverse=True)), key=lambda p: row_tokens(p[-1]))
 
 
 def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:

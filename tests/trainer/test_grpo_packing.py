@@ -23,7 +23,7 @@ from bucket.manifest import RunSpec
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
 from trainer.model import Rank1LoraLinear, use_rank1_lora, wrap_lora
-from trainer.packing import PACKED_ATTENTION, FullVocabLogProbs, pack
+from trainer.packing import PACKED_ATTENTION, Completion, FullVocabLogProbs, pack, row_tokens, rows
 
 VOCAB = 97
 SMALL = dict(
@@ -276,6 +276,32 @@ def test_packing_shares_prompts_and_respects_the_budget():
     (padded,) = pack(seqs, 10_000, pad_to=128)
     assert padded.input_ids.shape[1] % 128 == 0 and padded.tokens == one.tokens
     assert math.isclose(padded.weights.sum().item(), one.weights.sum().item())
+
+
+def _plain_groups(shapes: list[tuple[int, list[int]]]) -> list[tuple[list[int], list[Completion]]]:
+    return [([7] * p, [Completion([3] * n, [0.0] * n, 1.0, 1.0, 1.0) for n in lens]) for p, lens in shapes]
+
+
+def test_rows_are_first_fits_count_dealt_to_even_lengths():
+    """A fixed 200 + 512 step of 16 groups: first-fit fills five rows and leaves a short sixth, whose host-bound
+    tail idled the GPU (docs/trainer-gpu.md); the trainer's rows are as many, within the budget, and even."""
+    groups = _plain_groups([(200, [512] * 8)] * 16)
+    first_fit = rows(groups, 16384, even=False)
+    even = rows(groups, 16384)
+    assert [row_tokens(r) for r in first_fit] == [12864] * 5 + [4288]
+    assert [row_tokens(r) for r in even] == [12864] * 4 + [8576] * 2  # longest first
+    # a mixed step: the same count, every unit once, the budget kept, the shortest row no shorter
+    rng = random.Random(2)  # first-fit leaves a last row of 2533 tokens
+    mixed = _plain_groups([(rng.randint(20, 300), [rng.randint(2, 800) for _ in range(8)]) for _ in range(24)])
+    ff, ev = rows(mixed, 16384, even=False), rows(mixed, 16384)
+    assert len(ev) == len(ff) > 2
+    assert all(row_tokens(r) <= 16384 for r in ev)
+
+    def units(plan):
+        return sorted((len(u.prompt), row_tokens([u])) for r in plan for u in r)
+
+    assert units(ev) == units(ff)
+    assert row_tokens(ev[-1]) == min(map(row_tokens, ev)) > 5 * min(map(row_tokens, ff))
 
 
 def test_adapter_state_dict_is_unchanged_by_packing_setup():
