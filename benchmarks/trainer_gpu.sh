@@ -381,10 +381,9 @@ z)
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
     bench fix_even_prof 150 "${FIX[@]}" --profile "$OUT/prof_fixed_even.txt"
-    bench fix_ffd 60 "${FIX[@]}" --rows first-fit
-    bench fix_even 50 "${FIX[@]}"
-    bench lt_even_prof 80 "${LT[@]}" --profile "$OUT/prof_longtail_even.txt"
-    bench lt_ffd 50 "${LT[@]}" --rows first-fit
+    bench fix_ffd 55 "${FIX[@]}" --rows first-fit
+    bench fix_even 45 "${FIX[@]}"
+    bench lt_ffd 70 "${LT[@]}" --rows first-fit
     bench lt_even 50 "${LT[@]}"
     bench lt_fresh 110 "${LT[@]}" --fresh --steps 8
     ;;
