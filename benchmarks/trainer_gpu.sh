@@ -374,10 +374,11 @@ y)
         bench q8b_fa4 150 --shape qwen3-8b --lengths longtail --fa4 auto
     fi
     ;;
-z)
+z | z2)
     # 2026-12-06, seventh session: rows dealt to even lengths (trainer/packing.py plan) against first-fit's, whose
-    # short last row left the GPU waiting on the host (set y's fixed-shape timeline: 44 ms idle in the last 100 ms)
-    unpack_fa4
+    # short last row left the GPU waiting on the host (set y's fixed-shape timeline: 44 ms idle in the last 100 ms);
+    # z2: in one call, without flash-attn-4 (FlashAttention 2), and fresh data both ways
+    [ "$SET" = z ] && unpack_fa4
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
     bench fix_even_prof 150 "${FIX[@]}" --profile "$OUT/prof_fixed_even.txt"
@@ -386,6 +387,7 @@ z)
     bench lt_ffd 70 "${LT[@]}" --rows first-fit
     bench lt_even 50 "${LT[@]}"
     bench lt_fresh 110 "${LT[@]}" --fresh --steps 8
+    [ "$SET" = z2 ] && bench lt_fresh_ffd 110 "${LT[@]}" --fresh --steps 8 --rows first-fit
     ;;
 *)
     echo "unknown set $SET" >&2
