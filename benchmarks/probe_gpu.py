@@ -223,9 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             groups = make_groups(data, vocab, seed=done)
             advs, _ = advantages(groups, loss_cfg.scale_rewards)
             opt.zero_grad(set_to_none=True)
-            sums = accumulate(
-                model, (build(u, pad).to(device) for u in rows(completions(groups, advs, loss_cfg), budget)), loss_cfg
-            )
+            planned = rows(completions(groups, advs, loss_cfg), budget, pad_to=pad)
+            sums = accumulate(model, (build(u, pad).to(device) for u in planned), loss_cfg)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sums.tolist()

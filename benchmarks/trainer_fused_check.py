@@ -69,7 +69,7 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidat
     cfg = LossConfig()
     advs, _ = advantages(groups, cfg.scale_rewards)
     pad = row_quantum(budget) if compile_ else 128
-    mbs = (build(units, pad).to(device) for units in rows(completions(groups, advs, cfg), budget))
+    mbs = (build(units, pad).to(device) for units in rows(completions(groups, advs, cfg), budget, pad_to=pad))
     sums = accumulate(model, mbs, cfg)
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
     loss = float(sums[1])

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         dp.barrier()
         t0 = time.perf_counter()
         advs, _ = advantages(groups, loss_cfg.scale_rewards)
-        planned = rows(completions(groups, advs, loss_cfg), budget, even=args.rows == "even")
+        planned = rows(completions(groups, advs, loss_cfg), budget, even=args.rows == "even", pad_to=pad)
         opt.zero_grad(set_to_none=True)
         mine = dp.share(planned, row_tokens)
         row_lengths.update(row_tokens(units) + (-row_tokens(units) % pad) for units in mine)

@@ -118,16 +118,17 @@ def make_units(groups: list[tuple[list[int], list[Completion]]], token_budget: i
     return units
 
 
-def plan(units: list[Unit], token_budget: int, even: bool = True) -> list[list[Unit]]:
-    """Few rows, each at most `token_budget` tokens (or one unit, if larger), as even in length as they can be.
+def plan(units: list[Unit], token_budget: int, even: bool = True, pad_to: int = 1) -> list[list[Unit]]:
+    """Few rows, each at most `token_budget` tokens (or one unit, if larger), as even in length as padding allows.
 
-    First-fit decreasing gives the fewest rows it can; with `even`, the units are then dealt again into that many
-    rows, largest first, each to the shortest row with room; the plan whose shortest row is longer is kept, its
-    rows longest first. Why even:
-    the host's work per row (launching a few thousand kernels) barely depends on the row's length, so a short
-    row runs out of queued work and leaves the GPU waiting on the host; first-fit's last row is often short
-    (a fixed 200 + 512 step of 16 groups: five rows of 12888 tokens and one of 4296, whose host-bound tail idled
-    an H100 for about 40 ms of a 1.04 s step; docs/trainer-gpu.md)."""
+    First-fit decreasing gives the fewest rows it can; with `even`, the units are also dealt into that many rows
+    (`deal`), once into rows sized to share first-fit's padded total evenly and once into rows of the full budget,
+    and of the plans the one with the fewest tokens once each row is padded to a multiple of `pad_to` is kept (on
+    a tie, the one whose shortest row is longest), its rows longest first. Why even: the host's work per row (launching a few thousand kernels) barely depends on the
+    row's length, so a short row runs out of queued work and leaves the GPU waiting on the host: first-fit's
+    fixed 200 + 512 step (five rows of 12864 tokens and one of 4288) idled an H100 for about 40 ms of a 1.04 s
+    step, and its even rows were 1 % faster on an H200. Why padding first: a long-tail step's even rows padded
+    to 2048 computed 3 % more tokens than first-fit's and were 3.7 % slower (docs/trainer-gpu.md)."""
     bins: list[list[Unit]] = []
     room: list[int] = []
     ordered = sorted(units, key=lambda u: u.size, reverse=True)
@@ -142,18 +143,34 @@ def plan(units: list[Unit], token_budget: int, even: bool = True) -> list[list[U
             room.append(token_budget - unit.size)
     if not even or len(bins) < 2:
         return bins
-    bins.sort(key=row_tokens, reverse=True)
-    dealt: list[list[Unit]] = [[] for _ in bins]
-    load = [0] * len(bins)
+    n, q = len(bins), max(pad_to, 1)
+    quanta = sum(-(-row_tokens(r) // q) for r in bins)  # first-fit's padded tokens, in multiples of pad_to
+    padded_caps = [min(token_budget, (quanta // n + (i < quanta % n)) * q) for i in range(n)]
+    plans = [sorted(bins, key=row_tokens, reverse=True)]
+    for caps in (padded_caps, [token_budget] * n):
+        dealt = deal(ordered, caps)
+        if dealt is not None:
+            plans.append(dealt)
+
+    def cost(p: list[list[Unit]]) -> tuple[int, int]:
+        return sum(-(-row_tokens(r) // q) for r in p), -row_tokens(p[-1])
+
+    return min(plans, key=cost)
+
+
+def deal(ordered: list[Unit], caps: list[int]) -> list[list[Unit]] | None:
+    """Units (largest first) dealt into rows of at most `caps[i]` tokens, each to the row with the most room
+    left (a unit over every cap to an empty row of its own), longest row first; None where one does not fit."""
+    rows_: list[list[Unit]] = [[] for _ in caps]
+    load = [0] * len(caps)
     for unit in ordered:
-        fits = [i for i in range(len(bins)) if load[i] == 0 or load[i] + unit.size <= token_budget]
-        if not fits:
-            return bins  # dealing found no room where first-fit did: keep first-fit's rows
-        i = min(fits, key=load.__getitem__)
-        dealt[i].append(unit)
+        room = [(caps[i] - load[i], i) for i in range(len(caps)) if load[i] + unit.size <= caps[i] or load[i] == 0]
+        if not room:
+            return None
+        _, i = max(room)
+        rows_[i].append(unit)
         load[i] += unit.size
-    # dealing near the budget can leave a shorter last row than first-fit did: keep whichever's is longer
-    return max((bins, sorted(dealt, key=row_tokens, reverse=True)), key=lambda p: row_tokens(p[-1]))
+    return sorted(rows_, key=row_tokens, reverse=True)
 
 
 def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
@@ -222,13 +239,15 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
     )
 
 
-def rows(groups: list[tuple[list[int], list[Completion]]], token_budget: int, even: bool = True) -> list[list[Unit]]:
+def rows(
+    groups: list[tuple[list[int], list[Completion]]], token_budget: int, even: bool = True, pad_to: int = 1
+) -> list[list[Unit]]:
     """The step's rows as units, planned on the host (cheap: no tensors yet); the budget grows to the longest
-    single sequence if that is longer. `build` turns each into a MicroBatch when it is needed, so that building
-    row i + 1 overlaps the device's work on row i."""
+    single sequence if that is longer, and `pad_to` is the multiple `build` will pad each row to. `build` turns
+    each into a MicroBatch when it is needed, so that building row i + 1 overlaps the device's work on row i."""
     longest = max((len(p) + len(c.ids) - 1 for p, cs in groups for c in cs), default=0)
     budget = max(token_budget, longest)
-    return plan(make_units(groups, budget), budget, even)
+    return plan(make_units(groups, budget), budget, even, pad_to)
 
 
 def row_tokens(units: list[Unit]) -> int:
@@ -243,7 +262,7 @@ def row_quantum(token_budget: int) -> int:
 
 def pack(groups: list[tuple[list[int], list[Completion]]], token_budget: int, pad_to: int = 1) -> list[MicroBatch]:
     """The step's micro-batches, each padded to a multiple of `pad_to`, built at once (see `rows`)."""
-    return [build(units, pad_to) for units in rows(groups, token_budget)]
+    return [build(units, pad_to) for units in rows(groups, token_budget, pad_to=pad_to)]
 
 
 # -- attention over a packed row -----------------------------------------------------------------------

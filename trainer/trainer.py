@@ -162,8 +162,9 @@ class Trainer:
         keep = [i for i, z in enumerate(zero) if not z]
         budget = self.token_budget
         equal = [g for g, z in zip(groups, zero) if z]  # no forward pass; in the loss's denominator (grpo.py)
-        planned = rows(completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss, equal), budget)
         pad = row_quantum(budget) if self.compiled else FLEX_BLOCK if self.device.type == "cuda" else 1
+        trained = completions([groups[i] for i in keep], [advs[i] for i in keep], self.loss, equal)
+        planned = rows(trained, budget, pad_to=pad)
         self.optimizer.zero_grad(set_to_none=True)
         mine = self.dp.share(planned, row_tokens)  # all of them, unless data-parallel
         # built one at a time inside the loop: building row i + 1 overlaps the device's work on row i

@@ -287,10 +287,10 @@ def test_rows_are_first_fits_count_dealt_to_even_lengths():
     tail idled the GPU (docs/trainer-gpu.md); the trainer's rows are as many, within the budget, and even."""
     groups = _plain_groups([(200, [512] * 8)] * 16)
     first_fit = rows(groups, 16384, even=False)
-    even = rows(groups, 16384)
     assert [row_tokens(r) for r in first_fit] == [12864] * 5 + [4288]
-    assert [row_tokens(r) for r in even] == [12864] * 4 + [8576] * 2  # longest first
-    # a mixed step: the same count, every unit once, the budget kept, the shortest row no shorter
+    for pad in (1, 1024):
+        assert [row_tokens(r) for r in rows(groups, 16384, pad_to=pad)] == [12864] * 4 + [8576] * 2  # longest first
+    # a mixed step: the same count, every unit once, the budget kept, the shortest row longer
     rng = random.Random(2)  # first-fit leaves a last row of 2533 tokens
     mixed = _plain_groups([(rng.randint(20, 300), [rng.randint(2, 800) for _ in range(8)]) for _ in range(24)])
     ff, ev = rows(mixed, 16384, even=False), rows(mixed, 16384)
@@ -302,6 +302,27 @@ def test_rows_are_first_fits_count_dealt_to_even_lengths():
 
     assert units(ev) == units(ff)
     assert row_tokens(ev[-1]) == min(map(row_tokens, ev)) > 5 * min(map(row_tokens, ff))
+
+
+def test_even_rows_never_pad_more_than_first_fits():
+    """Rows padded to 2048 tokens (a 32768-token budget): rows dealt evenly without regard to padding computed 3 %
+    more tokens on an H200 than first-fit's and were slower, so the trainer keeps first-fit's padded total."""
+
+    def padded(plan, q=2048):
+        return sum(-(-row_tokens(r) // q) * q for r in plan)
+
+    evened, unaware_pads_more = 0, 0
+    for seed in range(30):
+        rng = random.Random(seed)  # benchmarks/trainer_shapes.py's long tail
+        lengths = [[min(max(int(rng.lognormvariate(0, 1) * 300), 16), 2048) for _ in range(8)] for _ in range(16)]
+        shapes = [(rng.randint(40, 200), n) for n in lengths]
+        groups = _plain_groups(shapes)
+        ff, ev = rows(groups, 32768, even=False), rows(groups, 32768, pad_to=2048)
+        assert len(ev) == len(ff) and all(row_tokens(r) <= 32768 for r in ev)
+        assert padded(ev) <= padded(ff)
+        evened += min(map(row_tokens, ev)) > min(map(row_tokens, ff))
+        unaware_pads_more += padded(rows(groups, 32768)) > padded(ff)  # dealt as if nothing were padded
+    assert evened >= 15 and unaware_pads_more >= 5  # 25 and 9 of the 30
 
 
 def test_adapter_state_dict_is_unchanged_by_packing_setup():
