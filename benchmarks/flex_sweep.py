@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     groups = make_groups(args, shape["vocab_size"])
     cfg = LossConfig()
     advs, _ = advantages(groups, cfg.scale_rewards)
-    units = rows(completions(groups, advs, cfg), args.token_budget)[0]
+    # first-fit's first row: the fullest, and the row every earlier figure of this sweep was measured on
+    units = rows(completions(groups, advs, cfg), args.token_budget, even=False)[0]
     mb = build(units, row_quantum(args.token_budget)).to("cuda")
     mask = block_mask(mb)
     t = mb.input_ids.shape[1]
