@@ -124,11 +124,13 @@ def plan(units: list[Unit], token_budget: int, even: bool = True, pad_to: int = 
     First-fit decreasing gives the fewest rows it can; with `even`, the units are also dealt into that many rows
     (`deal`), once into rows sized to share first-fit's padded total evenly and once into rows of the full budget,
     and of the plans the one with the fewest tokens once each row is padded to a multiple of `pad_to` is kept (on
-    a tie, the one whose shortest row is longest), its rows longest first. Why even: the host's work per row (launching a few thousand kernels) barely depends on the
-    row's length, so a short row runs out of queued work and leaves the GPU waiting on the host: first-fit's
-    fixed 200 + 512 step (five rows of 12864 tokens and one of 4288) idled an H100 for about 40 ms of a 1.04 s
-    step, and its even rows were 1 % faster on an H200. Why padding first: a long-tail step's even rows padded
-    to 2048 computed 3 % more tokens than first-fit's and were 3.7 % slower (docs/trainer-gpu.md)."""
+    a tie, the one whose shortest row is longest), its rows longest first.
+
+    Why even: the host's work per row (launching a few thousand kernels) barely depends on the row's length, so a
+    short row runs out of queued work and leaves the GPU waiting on the host: first-fit's fixed 200 + 512 step
+    (five rows of 12864 tokens and one of 4288) idled an H100 for about 40 ms of a 1.04 s step, and its even rows
+    were 1 % faster on an H200. Why padding first: a long-tail step's even rows padded to 2048 computed 3 % more
+    tokens than first-fit's and were 3.7 % slower (docs/trainer-gpu.md)."""
     bins: list[list[Unit]] = []
     room: list[int] = []
     ordered = sorted(units, key=lambda u: u.size, reverse=True)
