@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         default="even",
         choices=["even", "first-fit"],
-        help="the trainer's rows (even: first-fit's count, dealt to even lengths) or first-fit's own",
+        help="the trainer's rows (first-fit's count, dealt even where that pads no more) or first-fit's own",
     )
     p.add_argument(
         "--inductor",
