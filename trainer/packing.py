@@ -162,7 +162,8 @@ def plan(units: list[Unit], token_budget: int, even: bool = True, pad_to: int = 
 
 def deal(ordered: list[Unit], caps: list[int]) -> list[list[Unit]] | None:
     """Units (largest first) dealt into rows of at most `caps[i]` tokens, each to the row with the most room
-    left (a unit over every cap to an empty row of its own), longest row first; None where one does not fit."""
+    left, longest row first; an empty row takes any unit (so one over the budget gets a row of its own), and
+    None where a unit finds no row. `plan` costs whatever comes back, so a row over its cap is only priced."""
     rows_: list[list[Unit]] = [[] for _ in caps]
     load = [0] * len(caps)
     for unit in ordered:
