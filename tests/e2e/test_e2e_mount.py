@@ -335,15 +335,15 @@ def test_run_manifest_logs_and_adapters_through_the_mount_and_the_api(hosts):
 def test_brigade_local_keeps_its_logs_off_a_mounted_bucket(hosts, tmp_path):
     """Logs are appended to all run long, which a FUSE mount turns into re-uploading each file whole."""
     from infra.config import Config
-    from infra.local import _on_fuse_mount, _run_dir
+    from infra.local_setup import on_fuse_mount, run_dir_for
 
     _, on_mount, _, _ = hosts
-    assert _on_fuse_mount(on_mount.root) and not _on_fuse_mount(str(tmp_path))
+    assert on_fuse_mount(on_mount.root) and not on_fuse_mount(str(tmp_path))
     config = Config()
     config.bucket.url, config.local.runs_dir = os.path.join(on_mount.root, "bucket"), str(tmp_path / "runs")
-    assert _run_dir(config).startswith(str(tmp_path / "runs") + os.sep)
+    assert run_dir_for(config).startswith(str(tmp_path / "runs") + os.sep)
     config.bucket.url = str(tmp_path / "bucket")
-    assert _run_dir(config) == str(tmp_path)
+    assert run_dir_for(config) == str(tmp_path)
 
 
 # -- one run across the hosts ----------------------------------------------------------------------
