@@ -55,7 +55,7 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidat
     logprob_head.KEEP_LOGITS = candidate and args.keep_logits
     if candidate:  # the candidate runs last: what it sets stays set
         import trainer.packing
-        from benchmarks.trainer_step import set_inductor_config
+        from benchmarks.trainer_knobs import set_inductor_config
 
         if args.flex_options:
             trainer.packing.FLEX_KERNEL_OPTIONS = json.loads(args.flex_options)

@@ -39,65 +39,12 @@ import sys
 import time
 
 from benchmarks.report import with_cpu
+from benchmarks.trainer_knobs import fsdp2_shard, profile_timeline, set_inductor_config, swiglu_tiles
 from benchmarks.trainer_liger import apply_liger, parse_parts
 from benchmarks.trainer_reference import StepStats, accumulate_group_loss
 from benchmarks.trainer_shapes import SHAPES, flops, make_groups, model_classes
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the issue's MFU denominator
-
-
-def fsdp2_shard(model) -> None:
-    """FSDP2 on the decoder layers (their base weights and LoRA sharded over the ranks, gathered per layer for the
-    forward and again for the backward); the tied embedding / LM head stays whole on every rank, since the chunked
-    log-softmax reads its weight outside any module's forward. Parameters are gathered in bf16 (FSDP2 gathers one
-    dtype per layer) and gradients reduced in fp32."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    inner = model.get_base_model().base_model
-    for layer in inner.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(inner, mp_policy=mp, ignored_params={inner.embed_tokens.weight})
-
-
-def set_inductor_config(values: dict) -> None:
-    """Set torch._inductor.config entries (dotted names for sub-configs: "triton.multi_kernel") before compiling."""
-    import torch._inductor.config as config
-
-    for name, value in values.items():
-        *parents, leaf = name.split(".")
-        target = config
-        for part in parents:
-            target = getattr(target, part)
-        if not hasattr(target, leaf):
-            raise ValueError(f"torch._inductor.config has no {name}")
-        setattr(target, leaf, value)
-
-
-def profile_timeline(prof, table_path: str) -> dict:
-    """The profiled step's device timeline (benchmarks/gpu_timeline.py); its chrome trace gzipped beside the table."""
-    import gzip
-    import shutil
-    import tempfile
-
-    from benchmarks.gpu_timeline import load, summarize
-
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = f"{tmp}/trace.json"
-        prof.export_chrome_trace(raw)
-        summary = summarize(load(raw))
-        with open(raw, "rb") as src, gzip.open(table_path + ".trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    return summary
-
-
-def swiglu_tiles() -> dict | None:
-    if "trainer.kernels.swiglu_lora" not in sys.modules:
-        return None
-    from trainer.kernels.swiglu_lora import CONFIG, WAVES
-
-    return {**CONFIG, "waves": WAVES}
 
 
 def main(argv: list[str] | None = None) -> int:
