@@ -44,3 +44,12 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     if not ranked:
         return None
     return ranked[max(0, math.ceil(q / 100 * len(ranked)) - 1)]
+
+
+def keep_record(result: dict[str, Any], *, what: str, command: str, show: str, topic: str, **fields: Any) -> str:
+    """Keep `result` (the benchmark's final JSON object, with its CPU or GPU named) as a record under
+    benchmarks/results/, the source the README's table and docs/results.md are rendered from; returns its path.
+    `fields`: commit, conditions, readme, page (benchmarks.results.keep)."""
+    from benchmarks.results.keep import keep
+
+    return str(keep(result, what=what, command=command, show=show, topic=topic, **fields))
