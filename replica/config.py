@@ -83,6 +83,12 @@ class ReplicaConfig(BaseModel):
         "empty = a new temp folder (its path is printed).",
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra arguments passed to vLLM's api_server.")
+    check_vllm_version: bool = Field(
+        True,
+        description="Refuse a vLLM older than brigade needs, or one whose server lacks a feature brigade uses "
+        "(checked before vLLM starts, from the installed package, and once it answers, from its /version and "
+        "/openapi.json; docs/vllm-versions.md). False: start anyway (a source build whose version reads 0.0.0).",
+    )
     api_key_env: str = Field(
         "BRIGADE_REPLICA_API_KEY",
         description="Environment variable holding the bearer token vLLM requires on /v1/* (passed to vLLM as "

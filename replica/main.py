@@ -40,7 +40,7 @@ from bucket.pool import PoolManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
 from bucket.version import Version
-from replica import pool_mode, warmup
+from replica import pool_mode, vllm_version, warmup
 from replica.config import ReplicaConfig
 from replica.drain import wait_drained
 from replica.metrics import ReplicaMetrics
@@ -239,6 +239,8 @@ class Replica:
         check_model_dir(self.rc.model_path)
         tokenizer_id.check(manifest, self.rc.model_path, "replica")
         plan = plan_server(self.rc, manifest, cpu=is_cpu_build())
+        if self.rc.check_vllm_version:
+            vllm_version.check_installed()  # seconds, before vLLM's minute-long start
         check_port_free(self.rc.host, self.rc.port)
         event_log = EventLog(store, "replica", replica=self.rid)
         self._install_signal_handlers()
@@ -263,6 +265,8 @@ class Replica:
             startup_s = self.server.wait_healthy(self.rc.startup_timeout_s, should_stop=self.stop.is_set)
             if startup_s is None:
                 return 0  # SIGTERM/SIGINT while starting: a requested stop, not an error
+            # What really serves (extra_args, a wrapper script, a patched build), before anything relies on it.
+            served = vllm_version.check_server(plan.base_url, self._vllm_headers(), refuse=self.rc.check_vllm_version)
             warmup_s = self._warm_up(manifest)
             info = ReplicaInfo(
                 replica_id=self.rid,
@@ -289,6 +293,7 @@ class Replica:
                 warmup_s=None if warmup_s is None else round(warmup_s, 2),
                 adapter_root=adapter_root,
                 metrics_url=self.metrics.url,
+                vllm_version=served,
             )
             with self._registry_lock:
                 replicas.register(store, info)
