@@ -20,8 +20,8 @@ class TrainerConfig(BaseModel):
     learning_rate: float = Field(
         1e-3,
         gt=0,
-        description="AdamW learning rate (rank-1 LoRA wants ~10x a full fine-tune's; 1e-3 measured in the "
-        "README's learning section).",
+        description="AdamW learning rate (rank-1 LoRA wants ~10x a full fine-tune's; 1e-3 measured on the sums: "
+        "docs/learning.md).",
     )
     lr_scheduler_type: Schedule = Field(
         "cosine",
