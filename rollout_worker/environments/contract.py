@@ -2,9 +2,10 @@
 
   TRL's `environment_factory` ("tools"): `reset(**row) -> str | None` (a string is appended to the last user
       message), every public method a tool, optional `get_reward() -> float` read when the episode ends.
-  Text-step ("step": skyrl-gym, TextArena single-player, OpenEnv-style): `reset(**row) -> str` is the first
-      observation, `step(action: str) -> (observation, reward, done, info)`; gymnasium's five-tuple
-      `(observation, reward, terminated, truncated, info)` is read too.
+  Text-step ("step"): `reset(**row) -> str` is the first observation (gymnasium's `(observation, info)` is read
+      too), `step(action: str) -> (observation, reward, done, info)`; gymnasium's five-tuple
+      `(observation, reward, terminated, truncated, info)` is read too. skyrl-gym, TextArena and OpenEnv
+      environments are run through adapters to this contract (libraries/).
 
 `--rollout.environment package.module:factory` names a callable (a class, or a function) returning one instance
 per episode, as TRL's `environment_factory` is. This module is imported by the environment's own process
@@ -30,7 +31,12 @@ class EnvError(RuntimeError):
 
 
 def import_factory(spec: str) -> Callable[[], Any]:
-    """The callable named by 'package.module:factory'; a bad name is a setting error, reported at start."""
+    """The callable named by 'package.module:factory', or a library's environment by name ('textarena:GAME',
+    'skyrl-gym:ID', 'openenv:TARGET': libraries/); a bad name is a setting error, reported at start."""
+    from rollout_worker.environments import libraries  # its adapters import their library only when used
+
+    if libraries.is_library(spec):
+        return libraries.factory(spec)
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise EnvSpecError(f"--rollout.environment {spec!r}: give it as package.module:factory")
@@ -78,9 +84,12 @@ def describe(env: Any) -> Described:
 
 
 def check_observation(value: Any, kind: str) -> str | None:
-    """reset's return, checked: a string (or None, for TRL's contract)."""
+    """reset's return, checked: a string (or None, for TRL's contract); a text-step environment may return
+    gymnasium's `(observation, info)` too."""
     if value is None and kind == TOOLS:
         return None
+    if kind == STEP and isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        value = value[0]
     if not isinstance(value, str):
         wanted = "a string or None" if kind == TOOLS else "a string (the first observation)"
         raise EnvError(f"reset returned {type(value).__name__} {value!r:.80}; the contract wants {wanted}")

@@ -25,11 +25,14 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from rollout_worker.environments import contract
 from rollout_worker.environments.contract import EnvError
+from rollout_worker.environments.env_vars import environment_of
+from rollout_worker.environments.schema import EnvSpecError
 
 log = logging.getLogger("brigade.rollout")
 
@@ -39,34 +42,48 @@ START_TIMEOUT_S = 60.0  # a new process imports the environment's module before 
 # -- the environment's process --------------------------------------------------------------------------
 
 
-def _maybe_await(value: Any) -> Any:
-    """TRL allows async tools and an async get_reward: run them to completion here."""
-    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
-
-
 async def _awaited(aw: Any) -> Any:
     return await aw
 
 
 class _Served:
-    """The process's side: one instance at a time, made by `create`, called by name."""
+    """The process's side: one instance at a time, made by `create`, called by name.
+
+    Async methods (TRL allows async tools and get_reward; OpenEnv's client is async throughout) run on ONE event
+    loop that lives as long as the process: a client that opened a connection (a WebSocket) in `reset` finds its
+    loop still running in `step`. A fresh loop per call (asyncio.run) would close the connection's loop after
+    the first call and break every later one."""
 
     def __init__(self) -> None:
         self.factories: dict[str, Any] = {}
         self.env: Any = None
+        self.kind = ""
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+
+    def _maybe_await(self, value: Any) -> Any:
+        return self.loop.run_until_complete(_awaited(value)) if inspect.isawaitable(value) else value
 
     def create(self, spec: str) -> dict[str, Any]:
         if spec not in self.factories:
             self.factories[spec] = contract.import_factory(spec)
-        self.env = self.factories[spec]()
+        self.env = self._maybe_await(self.factories[spec]())
         d = contract.describe(self.env)
+        self.kind = d.kind
         return {"kind": d.kind, "tools": d.tools, "has_reward": d.has_reward}
 
+    def check(self, spec: str) -> None:
+        """A library's environment named at start (`textarena:GAME`, ...): its id exists, it is single-player;
+        raises with what is wrong. Run here, not in the worker: it imports the library and makes one instance."""
+        from rollout_worker.environments.libraries import check_spec
+
+        self._maybe_await(check_spec(spec))
+
     def reset(self, row: dict[str, Any]) -> Any:
-        return _maybe_await(self.env.reset(**row))
+        return self._maybe_await(self.env.reset(**row))
 
     def step(self, action: str) -> Any:
-        return _maybe_await(self.env.step(action))
+        return self._maybe_await(self.env.step(action))
 
     def tool(self, name: str, arguments: dict[str, Any]) -> str:
         """A tool's result as the tool message's text; an error (as TRL does) when it raises or is no tool."""
@@ -74,13 +91,13 @@ class _Served:
         if fn is None:
             return str({"error": f"Tool {name} not found."})
         try:
-            result = _maybe_await(fn(**arguments))
+            result = self._maybe_await(fn(**arguments))
         except Exception as exc:  # noqa: BLE001 - the model's call was wrong, or the tool broke: the model is told
             return str({"error": f"{type(exc).__name__}: {exc}"})
         return str(result)
 
     def get_reward(self) -> Any:
-        return _maybe_await(self.env.get_reward())
+        return self._maybe_await(self.env.get_reward())
 
     def snapshot(self) -> bytes | None:
         """The instance pickled, for reward functions' `environments=`; None when it cannot be pickled."""
@@ -90,7 +107,15 @@ class _Served:
             return None
 
     def close(self) -> None:
-        self.env = None
+        """The episode is over. A text-step instance's own `close()` (gymnasium's, skyrl-gym's, a library
+        adapter's: it ends a connection) is called; TRL's contract has none (a public `close` is a tool there)."""
+        env, self.env = self.env, None
+        closer = getattr(env, "close", None) if self.kind == contract.STEP else None
+        if callable(closer):
+            try:
+                self._maybe_await(closer())
+            except Exception as exc:  # noqa: BLE001 - the episode is written already; the next one gets a new instance
+                log.warning("the environment's close() raised %s: %s", type(exc).__name__, exc)
 
 
 def serve(conn: Connection) -> None:
@@ -106,6 +131,8 @@ def serve(conn: Connection) -> None:
             continue
         try:
             answer: tuple[str, Any] = ("ok", getattr(served, op)(*args))
+        except EnvSpecError as exc:  # a setting brigade refuses (check, create): its message says what to do
+            answer = ("error", str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure of the user's code is the episode's error
             last = traceback.extract_tb(exc.__traceback__)[-1:]
             where = f" ({last[0].filename}:{last[0].lineno})" if last else ""
@@ -124,13 +151,14 @@ def serve(conn: Connection) -> None:
 class EnvProcess:
     """One environment process, held by one episode at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, passed_env: Sequence[str] = ()) -> None:
         parent, child = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_worker.environments.host", str(child.fileno())],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            # only the allowlist (env_vars.py): never the bucket's credentials or the pool token
+            env=environment_of(passed_env, os.pathsep.join(p for p in sys.path if p)),
         )
         child.close()
         self.conn = Connection(parent.detach())
@@ -190,11 +218,29 @@ class EnvProcess:
                 self.proc.wait()
 
 
+def check_in_process(spec: str, passed_env: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S) -> None:
+    """`_Served.check` in a process of its own, waited for here (the worker's start, before any episode): EnvError
+    with the library's reason when the named environment cannot run."""
+    proc = EnvProcess(passed_env)
+    try:
+        proc.conn.send(("check", (spec,)))
+        if not proc.conn.poll(timeout_s):
+            raise EnvError(f"checking --rollout.environment {spec!r} took over {timeout_s:g} s")
+        status, value = proc.conn.recv()
+    except (EOFError, OSError) as exc:
+        raise EnvError(f"the process checking {spec!r} died (exit code {proc.proc.poll()}: {exc!r})") from None
+    finally:
+        proc.kill()
+    if status != "ok":
+        raise EnvError(str(value))
+
+
 class EnvHosts:
     """Processes for episodes: one per episode in flight, idle ones kept for the next (start-up is not free)."""
 
-    def __init__(self, max_idle: int):
+    def __init__(self, max_idle: int, passed_env: Sequence[str] = ()):
         self.max_idle = max_idle
+        self.passed_env = tuple(passed_env)  # --rollout.environment-env: names added to the allowlist
         self.idle: list[EnvProcess] = []
         self.busy: set[EnvProcess] = set()
         self.started = 0  # processes started (metrics, tests)
@@ -203,7 +249,7 @@ class EnvHosts:
     def acquire(self) -> EnvProcess:
         proc = self.idle.pop() if self.idle else None
         if proc is None or proc.proc.poll() is not None:
-            proc = EnvProcess()
+            proc = EnvProcess(self.passed_env)
             self.started += 1
         self.busy.add(proc)
         return proc
