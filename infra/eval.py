@@ -51,6 +51,7 @@ FLAGS: Flags = {
         "dataset",
         "dataset_split",
         "eval_dataset",
+        "eval_dataset_split",
         "eval_size",
         "eval_max_tokens",
         "eval_timeout_s",
@@ -122,7 +123,7 @@ async def evaluate_versions(config: Config, versions_text: str, token_file: str 
     store = open_bucket(config.bucket)
     manifest = read_manifest(store)
     versions = parse_versions(versions_text, store)
-    data = load_data(rc.dataset, rc.eval_dataset, rc.eval_size or 200, rc.dataset_split)
+    data = load_data(rc.dataset, rc.eval_dataset, rc.eval_size or 200, rc.dataset_split, rc.eval_dataset_split)
     ev = EventLog(store, "eval")
     results = []
     on_pool = None

@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from rollout_worker.datasets.spec import is_reasoning_gym, parse
+from rollout_worker.environments.env_vars import is_secret
+from rollout_worker.environments.libraries import default_dataset, is_library
+from rollout_worker.lengths import fill_lengths
 
 # The reward (and evaluation judge) of a reasoning-gym dataset when none is named: the task's own score_answer
 # on the answer the row's extraction rule takes from the reply (rollout_worker/datasets/reasoning_gym.py).
@@ -42,7 +45,12 @@ class RolloutConfig(BaseModel):
     worker_id: str = Field(
         "", description="Name of this worker's shard folder in the bucket; empty = hostname + random suffix."
     )
-    max_completion_length: int = Field(16, ge=1, description="Max new tokens per completion.")
+    max_completion_length: int = Field(
+        16,
+        ge=1,
+        description="Max new tokens per completion (an episode's: per reply). Not given: sized to the task "
+        "(rollout_worker/lengths.py): 16 for the built-in sums, 256 for any other dataset and per environment reply.",
+    )
     temperature: float = Field(0.7, ge=0, description="Sampling temperature (0.7 measured: more groups with signal).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1.0 = off).")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 = off).")
@@ -113,12 +121,29 @@ class RolloutConfig(BaseModel):
         "(observation, reward, done, info)); docs/environments.md. Set: reward_funcs default to none (the "
         "environment's reward alone). Empty: single-turn completions.",
     )
+    environment_env: list[str] = Field(
+        default_factory=list,
+        description="Environment variables the environment's process gets beside its allowlist (PATH, HOME, LANG, "
+        "PYTHONPATH, thread counts, CA bundles, ...: rollout_worker/environments/env_vars.py), e.g. an API key its "
+        "own judge needs. The bucket's credentials (AWS_*, GOOGLE_*, AZURE_*, HF_TOKEN), BRIGADE_* and the pool "
+        "token are never passed and are refused here.",
+    )
     max_turns: int = Field(4, ge=1, description="An episode's model replies at most (environment runs).")
     max_tool_calls: int = Field(
         8, ge=0, description="Tool calls an episode may make (TRL's max_tool_calling_iterations bounds rounds)."
     )
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_coder"] = Field(
+        "auto",
+        description="How the model writes a tool call (TRL-style environments): 'hermes' <tool_call>{json}</tool_call> "
+        '(Hermes, Qwen2.5/Qwen3, SmolLM3), \'llama3_json\' a bare {"name", "parameters"} object or <|python_tag|> '
+        "(Llama 3.x), 'mistral' [TOOL_CALLS] (both of Mistral's layouts), 'qwen3_coder' <function=NAME> XML. 'auto': "
+        "the one the replicas' chat template renders (hermes when it renders none); docs/environments.md.",
+    )
     max_episode_tokens: int = Field(
-        1024, ge=2, description="An episode's token stream, prompt included, at most (environment runs)."
+        2048,
+        ge=2,
+        description="An episode's token stream, prompt included, at most (environment runs): room for the tools' "
+        "schemas in the prompt and several turns. The replicas' max_model_len must hold it.",
     )
     environment_timeout_s: float = Field(
         30.0,
@@ -142,13 +167,23 @@ class RolloutConfig(BaseModel):
     eval_dataset: str = Field(
         "",
         description="Held-out evaluation prompts (same forms as dataset); empty = the built-in set for 'arithmetic', "
-        "else eval_size rows held out of the dataset. Never trained on.",
+        "else eval_size rows held out of the dataset (by row: a repeated prompt with a seed column holds out some "
+        "seeds). Never trained on: a training row equal to an evaluation row in every column the two share is "
+        "dropped (rollout_worker/datasets/split.py).",
+    )
+    eval_dataset_split: str = Field(
+        "test", description="Split of a hub eval_dataset (its own: dataset_split is the training data's)."
     )
     eval_size: int = Field(200, ge=0, description="Prompts in the evaluation set (0 = no evaluation).")
     eval_every_versions: int = Field(
         8, ge=0, description="Evaluate every this many adapter versions (besides the base and the final version)."
     )
-    eval_max_tokens: int = Field(32, ge=1, description="Max new tokens of an evaluation completion (greedy).")
+    eval_max_tokens: int = Field(
+        32,
+        ge=1,
+        description="Max new tokens of an evaluation completion (greedy). Not given: 32 for the built-in sums, 256 "
+        "for any other dataset (rollout_worker/lengths.py).",
+    )
     eval_timeout_s: float = Field(
         600.0,
         ge=0,
@@ -180,6 +215,18 @@ class RolloutConfig(BaseModel):
         9320, ge=1, le=65535, description="Port of /metrics (the proxy is 8100, replicas 8200+, trainer 9310)."
     )
 
+    def _environment_library(self) -> None:
+        """A library's environment (`textarena:GAME`, ...) without a dataset trains on rows of seeds; secrets are
+        never passed to an environment's process."""
+        secrets = [n for n in self.environment_env if is_secret(n, self.pool_token_env)]
+        if secrets:
+            raise ValueError(
+                f"environment_env {secrets}: the bucket's credentials and brigade's tokens never reach an "
+                "environment; give its own secret another name"
+            )
+        if self.environment and is_library(self.environment) and "dataset" not in self.model_fields_set:
+            self.dataset = default_dataset(self.environment)
+
     @model_validator(mode="after")
     def _reasoning_gym(self) -> RolloutConfig:
         """A reasoning-gym spec is read here (its syntax; task names when the data is drawn), and its rows are
@@ -187,6 +234,7 @@ class RolloutConfig(BaseModel):
         for spec in (self.dataset, self.eval_dataset):
             if is_reasoning_gym(spec):
                 parse(spec)
+        self._environment_library()
         if self.environment and "reward_funcs" not in self.model_fields_set:
             self.reward_funcs = []  # the environment's own reward (get_reward, step rewards) unless others are named
         if is_reasoning_gym(self.dataset):
@@ -194,4 +242,10 @@ class RolloutConfig(BaseModel):
                 self.reward_funcs = [REASONING_GYM_REWARD]
             if "eval_judge" not in self.model_fields_set:
                 self.eval_judge = REASONING_GYM_REWARD
+        return self
+
+    @model_validator(mode="after")
+    def _lengths(self) -> RolloutConfig:
+        """The lengths not given, sized to the run's data and environment (rollout_worker/lengths.py)."""
+        fill_lengths(self)
         return self

@@ -13,12 +13,17 @@ curriculum (rollout_worker/sampler.py).
   FILE                a .jsonl / .json / .parquet / .csv file with a `prompt` column
   NAME                a dataset on the Hugging Face hub (needs network), split `--rollout.dataset-split`
 
+A hub dataset is read with `--rollout.dataset-split`; a hub `--rollout.eval-dataset` with its own
+`--rollout.eval-dataset-split` (a file has no splits).
+
 The evaluation set is fixed before any training prompt is chosen: the built-in
 one for `arithmetic`, a draw with seeds of its own for `reasoning-gym:`,
-`--rollout.eval-dataset` when given, otherwise
-`eval_size` rows held out of the dataset by a fixed seed. Every training row
-whose prompt is also in the evaluation set is removed, so the two are disjoint
-whatever the curriculum, the shuffle seed or the epoch.
+`--rollout.eval-dataset` when given, otherwise `eval_size` rows held out of the
+dataset by a fixed seed. The split is by row, not by prompt text, so a dataset
+that repeats one prompt with a seed column trains on some seeds and evaluates
+on others; a held-out row is never trained, whatever the curriculum, the
+shuffle seed or the epoch (rollout_worker/datasets/split.py says exactly when
+two rows count as the same).
 """
 
 from __future__ import annotations
@@ -28,29 +33,26 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from datasets import Dataset, load_dataset
 
-from bucket.config import ConfigError
+from rollout_worker.datasets.errors import DataError
 from rollout_worker.datasets.spec import is_reasoning_gym
+from rollout_worker.datasets.split import EVAL_SEED, content_columns, drop_evaluated, hold_out
+from rollout_worker.environments.libraries.seeds import is_seeds, seeds_dataset
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 # Curriculum levels of the built-in arithmetic: operands in [0, max] (level 0 first).
 ARITHMETIC_LEVELS = (20, 50, 99)
 # The built-in held-out set: fixed, whatever the run's seed or curriculum.
 ARITHMETIC_EVAL_MAX_OPERAND = 50
-EVAL_SEED = 20251130
 GSM8K_INSTRUCTION = "\nGive the final answer as a number on the last line."
 FILE_KINDS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DataError(ConfigError):
-    """A dataset that cannot be used; the message names the file and, for a bad row, the row."""
-
-
 def prompt_key(prompt: Any) -> str:
-    """A prompt's identity, for text and chat prompts alike (how the evaluation set is kept out of training)."""
+    """A prompt's identity, for text and chat prompts alike."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
@@ -159,8 +161,9 @@ def _gsm8k(path: str) -> Dataset:
     return ds.map(convert, with_indices=True, remove_columns=["question", "answer"])
 
 
-def read_dataset(spec: str, split: str = "train") -> Dataset:
-    """A training dataset as named by --rollout.dataset (checked row by row)."""
+def read_dataset(spec: str, split: str = "train", flag: str = "--rollout.dataset") -> Dataset:
+    """A dataset as named by `flag` (--rollout.dataset or --rollout.eval-dataset), checked row by row; `split`
+    is a hub dataset's (or a local dataset folder's) split."""
     if spec == "arithmetic":
         ds = arithmetic()
     elif spec.startswith("gsm8k:"):
@@ -169,19 +172,36 @@ def read_dataset(spec: str, split: str = "train") -> Dataset:
         from rollout_worker.datasets import reasoning_gym  # imported only when used: it takes a second or two
 
         ds = reasoning_gym.train_dataset(spec)
+    elif is_seeds(spec):  # rows of one instruction and a seed: a library environment's default (its games vary)
+        try:
+            ds = seeds_dataset(spec)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
     elif os.path.isfile(spec):
         ds = _read_file(spec)
     elif os.path.splitext(spec)[1].lower() in FILE_KINDS:
-        raise DataError(f"dataset file {spec} does not exist")
+        raise DataError(f"{flag} {spec}: the file does not exist")
     else:
-        try:
-            ds = load_dataset(spec, split=split)
-        except Exception as exc:  # noqa: BLE001
-            raise DataError(f"--rollout.dataset {spec!r}: no built-in set, no file, no hub dataset ({exc})") from None
+        ds = _read_hub(spec, split, flag)
+    if len(ds) == 0:
+        raise DataError(f"{flag} {spec}: the dataset has no rows")
     check_rows(ds, spec)
     if "prompt_id" not in ds.column_names:
         ds = ds.add_column("prompt_id", [f"row-{i}" for i in range(len(ds))])
     return ds
+
+
+def _read_hub(spec: str, split: str, flag: str) -> Dataset:
+    """A hub dataset (or a local folder `datasets` reads the same way), one split of it."""
+    split_flag = "--rollout.eval-dataset-split" if flag == "--rollout.eval-dataset" else "--rollout.dataset-split"
+    try:
+        return load_dataset(spec, split=split)
+    except ValueError as exc:
+        if "split" in str(exc).lower():  # datasets: 'Unknown split "test". Should be one of [...]'
+            raise DataError(f"{flag} {spec!r} has no split {split!r} ({exc}): set {split_flag}") from None
+        raise DataError(f"{flag} {spec!r}: no built-in set, no file, no hub dataset ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
+        raise DataError(f"{flag} {spec!r}: no built-in set, no file, no hub dataset ({exc})") from None
 
 
 # -- train / eval split ---------------------------------------------------------------------------------------
@@ -206,14 +226,21 @@ class PromptData:
 
 def _fingerprint(ds: Dataset) -> str:
     h = hashlib.sha256()
+    # the columns besides prompt and answer too (a seed, a target): rows of one prompt are different tasks
+    others = [c for c in content_columns(ds) if c not in ("prompt", "answer")]
     for row in ds:
         h.update(prompt_key(row["prompt"]).encode() + b"\0" + str(row.get("answer", "")).encode() + b"\0")
+        if others:
+            h.update(json.dumps({c: row[c] for c in others}, sort_keys=True, default=str).encode() + b"\0")
     return h.hexdigest()[:12]
 
 
-def load_data(dataset: str, eval_dataset: str, eval_size: int, split: str = "train") -> PromptData:
-    """The training prompts and the held-out evaluation set, disjoint by prompt."""
+def load_data(
+    dataset: str, eval_dataset: str, eval_size: int, split: str = "train", eval_split: str = "test"
+) -> PromptData:
+    """The training rows and the held-out evaluation set, disjoint by row (module docstring)."""
     train = read_dataset(dataset, split)
+    by: Literal["row", "prompt"] = "row"
     if eval_size == 0:
         ev, name = train.select([]), "none"
     elif is_reasoning_gym(eval_dataset or dataset):
@@ -221,23 +248,15 @@ def load_data(dataset: str, eval_dataset: str, eval_size: int, split: str = "tra
 
         spec = eval_dataset or dataset  # a reasoning-gym eval dataset is its held-out draw, never its training one
         ev, name = reasoning_gym.eval_dataset(spec, eval_size), reasoning_gym.describe(spec, eval_size)
+        by = "prompt"  # a task's question decides its answer; the drawn entries' metadata differs between draws
     elif eval_dataset:
-        ev, name = read_dataset(eval_dataset, split), eval_dataset
+        ev, name = read_dataset(eval_dataset, eval_split, "--rollout.eval-dataset"), eval_dataset
         ev = ev.select(range(min(eval_size, len(ev))))
     elif dataset == "arithmetic":
         ev = arithmetic_eval(eval_size)
         name = f"arithmetic: {len(ev)} sums with operands in [0, {ARITHMETIC_EVAL_MAX_OPERAND}]"
     else:
-        if len(train) <= eval_size:
-            raise DataError(
-                f"dataset {dataset} has {len(train)} rows: too few to hold {eval_size} out for evaluation; "
-                "lower --rollout.eval-size or give --rollout.eval-dataset"
-            )
-        held = sorted(random.Random(EVAL_SEED).sample(range(len(train)), eval_size))
-        ev, name = train.select(held), f"{dataset}: {eval_size} rows held out"
-    keys = {prompt_key(p) for p in ev["prompt"]} if len(ev) else set()
-    if keys:
-        train = train.filter(lambda row: prompt_key(row["prompt"]) not in keys)
-    if len(train) == 0:
-        raise DataError(f"dataset {dataset}: no training prompt is left once the evaluation set is held out")
+        train, ev = hold_out(train, eval_size, dataset)
+        return PromptData(train, ev, f"{dataset}: {eval_size} rows held out", _fingerprint(ev))
+    train = drop_evaluated(train, ev, dataset, name, by)
     return PromptData(train, ev, name, _fingerprint(ev) if len(ev) else "none")

@@ -1,4 +1,8 @@
-"""Prompt-and-reward sources beyond prompts.py's files: reasoning-gym's procedural tasks (docs/environments.md).
+"""Prompt-and-reward sources beyond prompts.py's files (reasoning-gym's procedural tasks: docs/environments.md),
+and how any dataset is split into training rows and the held-out set.
+
+split.py          the held-out split, by row (a repeated prompt with a seed column trains and evaluates)
+errors.py         DataError: a dataset that cannot be used, named, with what to do
 
 spec.py           `--rollout.dataset reasoning-gym:TASK[:OPTIONS][+TASK...]` parsed into typed task specs
 extraction.py     the answer a reply gives, by a named rule (number, <answer> tags, last line, whole reply)
