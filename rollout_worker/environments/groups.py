@@ -20,6 +20,7 @@ import asyncio
 import inspect
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from bucket import events
@@ -27,10 +28,11 @@ from bucket.config import ConfigError
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from bucket.version import Version
 from rollout_worker.bucket_io import QueuedEvents
-from rollout_worker.environments.contract import describe, import_factory
+from rollout_worker.environments.contract import EnvError, describe, import_factory
 from rollout_worker.environments.episode import Episode, EpisodeRun, Limits
 from rollout_worker.environments.episode_rewards import episode_rewards
-from rollout_worker.environments.host import EnvHosts
+from rollout_worker.environments.host import EnvHosts, check_in_process
+from rollout_worker.environments.libraries import is_library
 from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.environments.stream import Renderer
 from rollout_worker.generation import AdapterRetired, Generator
@@ -52,13 +54,21 @@ def common_prefix(lists: list[list[int]]) -> list[int]:
     return first[:n]
 
 
-def check_environment(spec: str) -> None:
-    """A bad name, or a class that follows neither contract, fails at start (ConfigError), not in every episode."""
+_CHECKED: set[str] = set()  # library environments checked by this process (training's and evaluation's runners)
+
+
+def check_environment(spec: str, passed_env: Sequence[str] = ()) -> None:
+    """A bad name, or a class that follows neither contract, fails at start (ConfigError), not in every episode.
+    A library's environment (`textarena:GAME`, ...) is checked in a process of its own, as its episodes run: the
+    library installed, the id known, a single-player game."""
     try:
         factory = import_factory(spec)
         if inspect.isclass(factory):  # instances are made in their own processes only
             describe(factory)
-    except EnvSpecError as exc:
+        if is_library(spec) and spec not in _CHECKED:
+            check_in_process(spec, passed_env)
+            _CHECKED.add(spec)
+    except (EnvSpecError, EnvError) as exc:
         raise ConfigError(str(exc)) from None
 
 
@@ -66,10 +76,18 @@ class EpisodeRunner:
     """One environment's episodes, each on an instance in a process of its own from a pool of idle ones: the
     training groups' (EpisodeGroups) and the held-out evaluation's (held_out.py)."""
 
-    def __init__(self, spec: str, limits: Limits, generator: Generator, scorer: Scorer, max_idle: int):
-        check_environment(spec)
+    def __init__(
+        self,
+        spec: str,
+        limits: Limits,
+        generator: Generator,
+        scorer: Scorer,
+        max_idle: int,
+        passed_env: Sequence[str] = (),
+    ):
+        check_environment(spec, passed_env)
         self.spec, self.limits, self.gen, self.scorer = spec, limits, generator, scorer
-        self.hosts = EnvHosts(max_idle=max_idle)
+        self.hosts = EnvHosts(max_idle=max_idle, passed_env=passed_env)  # passed_env: --rollout.environment-env
         self.renderer = Renderer(generator)
 
     async def run_episode(self, eid: str, row: dict[str, Any], model: str, version: int) -> Episode:
@@ -100,8 +118,9 @@ class EpisodeGroups(EpisodeRunner):
         ev: QueuedEvents,
         sampling: SamplingParams,
         max_episodes: int,
+        passed_env: Sequence[str] = (),
     ):
-        super().__init__(spec, limits, generator, scorer, max_episodes)
+        super().__init__(spec, limits, generator, scorer, max_episodes, passed_env)
         self.ev, self.sampling = ev, sampling
         self.failed = 0  # episodes ended by their environment
 
@@ -199,7 +218,16 @@ def for_settings(
     if not settings.environment:
         return None
     episodes = settings.max_inflight_groups * num_generations  # one process per episode in flight
-    return EpisodeGroups(settings.environment, limits_of(settings), generator, scorer, ev, generator.sampling, episodes)
+    return EpisodeGroups(
+        settings.environment,
+        limits_of(settings),
+        generator,
+        scorer,
+        ev,
+        generator.sampling,
+        episodes,
+        settings.environment_env,
+    )
 
 
 def limits_of(settings: Any) -> Limits:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,9 @@ class HeldOutEpisodes(EpisodeRunner):
         scorer: Scorer,
         success_threshold: float,
         concurrency: int,
+        passed_env: Sequence[str] = (),
     ):
-        super().__init__(spec, limits, generator, scorer, concurrency)
+        super().__init__(spec, limits, generator, scorer, concurrency, passed_env)
         self.success_threshold = success_threshold
 
     @classmethod
@@ -72,7 +74,13 @@ class HeldOutEpisodes(EpisodeRunner):
         greedy.priority = priority.EVALUATION
         scorer = Scorer(settings.reward_funcs, settings.reward_weights, settings.reward_timeout_s)
         return cls(
-            settings.environment, limits_of(settings), greedy, scorer, settings.eval_success_threshold, concurrency
+            settings.environment,
+            limits_of(settings),
+            greedy,
+            scorer,
+            settings.eval_success_threshold,
+            concurrency,
+            settings.environment_env,
         )
 
     async def episode(self, row: dict[str, Any], model: str, version: int) -> Episode:

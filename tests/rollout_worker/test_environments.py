@@ -311,7 +311,10 @@ def test_a_group_keeps_its_good_episodes_when_one_environment_hangs(vllm_replica
         async with proxied(store, manifest) as (_, client):
             gen = Generator(client, manifest.base_model, GREEDY, LIMITS.max_completion_length)
             scorer = Scorer([], [], 30.0)
-            groups = EpisodeGroups(f"{HERE}:OneSlowSibling", LIMITS, gen, scorer, ev, GREEDY, max_episodes=3)
+            # ENV_TEST_DIR reaches the environments' processes only as a name the run adds to their allowlist
+            groups = EpisodeGroups(
+                f"{HERE}:OneSlowSibling", LIMITS, gen, scorer, ev, GREEDY, max_episodes=3, passed_env=["ENV_TEST_DIR"]
+            )
             row = {"prompt": "Let us play.", "prompt_id": "p9"}
             try:
                 group = await groups.group(row, LiveAdapter(client, manifest), 3, {})
