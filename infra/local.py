@@ -114,11 +114,21 @@ class LocalRun(LocalJobs):
         self.progress.poll()
 
 
+def _check_data(config: Config) -> None:
+    """The rollout worker's data checks, before any process starts (replicas take minutes to start; a dataset
+    the worker cannot use would otherwise stop the run only after that): raises ConfigError naming the dataset."""
+    from rollout_worker.preflight import preflight  # here: it imports `datasets`, which other commands never need
+
+    data = preflight(config.rollout)
+    print(f"data: {len(data.train)} training rows; evaluation set: {data.eval_name}", flush=True)
+
+
 def run(config: Config) -> int:
     if config.local.s3_server and config.bucket.url and not config.bucket.url.startswith("s3://"):
         raise ConfigError(f"--local.s3-server needs an s3:// bucket (or none), not {config.bucket.url!r}")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
+    _check_data(config)
     if config.local.runs > 1:  # several runs on one shared pool of replicas
         from infra.local_pool import run_pool  # here: only a pool run pays for its imports
 

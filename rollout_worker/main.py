@@ -50,7 +50,8 @@ from rollout_worker.metrics import RolloutMetrics
 from rollout_worker.pacing import start_budget, window
 from rollout_worker.pool_client import ATTACH_RETRY_S, PoolSession, auth_headers, pool_token
 from rollout_worker.pool_publisher import Publisher
-from rollout_worker.prompts import load_data
+from rollout_worker.preflight import preflight
+from rollout_worker.prompts import PromptData
 from rollout_worker.rewards import Scorer
 from rollout_worker.sampler import PromptSampler, Ticket
 from rollout_worker.shards import ShardOutput
@@ -75,7 +76,14 @@ def as_completion(prompt: Any, text: str) -> Any:
 class Worker:
     episodes: EpisodeGroups | None = None  # --rollout.environment's episodes; None: single-turn completions
 
-    def __init__(self, settings: RolloutConfig, store: Store, manifest: RunManifest, client: httpx.AsyncClient):
+    def __init__(
+        self,
+        settings: RolloutConfig,
+        store: Store,
+        manifest: RunManifest,
+        client: httpx.AsyncClient,
+        data: PromptData | None = None,  # preflight's, when run_async checked it first
+    ):
         self.rc, self.store, self.manifest = settings, store, manifest
         self.sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
         worker_id = settings.worker_id or events.default_writer("rollout")
@@ -88,7 +96,7 @@ class Worker:
             settings.reward_funcs, settings.reward_weights, settings.reward_timeout_s, settings.reward_processes
         )
         self.episodes = for_settings(settings, self.generator, self.scorer, self.ev, manifest.num_generations)
-        self.data = load_data(settings.dataset, settings.eval_dataset, settings.eval_size, settings.dataset_split)
+        self.data = data if data is not None else preflight(settings)
         self.sampler = PromptSampler(
             self.data,
             worker_id,
@@ -348,6 +356,9 @@ async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig
     # On a pool (pool_client.py), the run's token goes on every request: checked before anything else starts.
     token = pool_token(settings.pool_token_env, settings.pool_url) if settings.pool_url else ""
     url = settings.pool_url or settings.proxy_url
+    # The data first (rollout_worker/preflight.py): a dataset it cannot use stops the worker in seconds, before
+    # it waits for the bucket's run.json or the proxy.
+    data = await asyncio.to_thread(preflight, settings)
     store = open_bucket(bucket)
     manifest = wait_and_check(store, spec, "rollout worker", bucket.manifest_wait_s)
     # One connection per completion in flight, plus a few for tokenising and reading the live versions. No admin
@@ -363,7 +374,7 @@ async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig
             else "`brigade proxy` or fix --rollout.proxy-url"
         )
         await wait_for_proxy(client, url, bucket.manifest_wait_s, hint)
-        worker = Worker(settings, store, manifest, client)
+        worker = Worker(settings, store, manifest, client, data)
         if settings.metrics:
             worker.metrics.serve(settings.metrics_host, settings.metrics_port)
         try:
