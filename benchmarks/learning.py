@@ -1,6 +1,7 @@
 """Benchmark `learning`: the default `brigade local` run end to end, judged by held-out accuracy.
 
-    python -m benchmarks.learning --json [--skip-trl-shape] [--task sums|reasoning-gym|multiturn]
+    python -m benchmarks.learning --json [--skip-trl-shape]
+                                  [--task sums|reasoning-gym|multiturn|textarena:GAME-ID]
                                   [--steps N] [--set KEY=VALUE ...]
 
 Runs the default `brigade local --local.task TASK` (every other setting at its
@@ -10,7 +11,10 @@ the command's start to its end, and trained samples/s. Goals (issue 30), each
 within 15 minutes: final_accuracy - base_accuracy >= 0.20 for `sums` (the
 built-in arithmetic curriculum, the default) and `reasoning-gym` (its chain_sum
 task), >= 0.15 for `multiturn` (the sums as two-try episodes of a text-step
-environment). `--keep DIR` keeps the run's bucket and logs there, to read its
+environment). `--task textarena:GAME-ID` trains a TextArena single-player game
+through its adapter (`--rollout.environment textarena:GAME-ID` on the default rows
+of seeds; a held-out success is a won game), goal +0.10 within 20 minutes.
+`--keep DIR` keeps the run's bucket and logs there, to read its
 events when a run misses its goal.
 
 `--steps N` runs N optimizer steps instead of the default 30 (wall limit 30 s a
@@ -54,6 +58,9 @@ TRL_SAMPLES_PER_S = 1.02  # TRL's AsyncGRPOTrainer, same machine and shape (issu
 # Each task's goal for final_accuracy - base_accuracy within GOAL_MINUTES (issue 9 for sums, issue 30 the others).
 GOAL_GAIN: dict[str, float] = {"sums": 0.20, "reasoning-gym": 0.20, "multiturn": 0.15}
 GOAL_MINUTES = 15.0
+# A game of an environment library (issue 47): held-out games won, +10 points within 20 minutes.
+LIBRARY_PREFIXES = ("textarena:",)
+LIBRARY_GOAL_GAIN, LIBRARY_GOAL_MINUTES = 0.10, 20.0
 DEFAULT_STEPS = 30  # trainer.max_steps' default: a run of more steps is judged by the long-run goal (issue 34)
 LONG_GOAL_BELOW_BEST = 0.03
 LONG_GOAL_FINAL = 0.75
@@ -99,6 +106,27 @@ def _setting(kv: str) -> tuple[str, Any]:
         return key, value
 
 
+def _task(value: str) -> str:
+    if value in GOAL_GAIN or (value.startswith(LIBRARY_PREFIXES) and value.partition(":")[2]):
+        return value
+    known = ", ".join([*sorted(GOAL_GAIN), *(f"{p}GAME-ID" for p in LIBRARY_PREFIXES)])
+    raise argparse.ArgumentTypeError(f"{value!r}: a task is one of {known} (e.g. textarena:GuessTheNumber-v0)")
+
+
+def task_goal(task: str) -> tuple[float, float]:
+    """(gain, minutes) the task's default run must reach."""
+    if task in GOAL_GAIN:
+        return GOAL_GAIN[task], GOAL_MINUTES
+    return LIBRARY_GOAL_GAIN, LIBRARY_GOAL_MINUTES
+
+
+def task_overrides(task: str) -> dict[str, Any]:
+    """The default run's settings for `task`: a local task, or a library's environment on its default rows."""
+    if task in GOAL_GAIN:
+        return {"local.task": task}
+    return {"rollout.environment": task}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line last")
@@ -106,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-default", action="store_true", help="only the TRL-shape run")
     p.add_argument("--trl-shape-steps", type=int, default=6, help="optimizer steps of the TRL-shape run")
     p.add_argument(
-        "--task", choices=sorted(GOAL_GAIN), default="sums", help="the default run's --local.task (default: sums)"
+        "--task",
+        type=_task,
+        default="sums",
+        help="the default run's --local.task, or textarena:GAME-ID (a TextArena game; default: sums)",
     )
     p.add_argument("--keep", metavar="DIR", help="run the default run in DIR and keep its bucket and logs there")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="the default run's trainer.max_steps")
@@ -120,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = rc2 = 0
     if not args.skip_default:
         # sums is what `brigade local` runs without --local.task: passed anyway, so the run is the task named.
-        overrides: dict[str, Any] = {"local.task": args.task, **settings}
+        overrides: dict[str, Any] = {**task_overrides(args.task), **settings}
         if args.steps != DEFAULT_STEPS:
             overrides["trainer.max_steps"] = args.steps
             overrides.setdefault("local.max_wall_s", max(1800.0, 30.0 * args.steps))
@@ -133,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             met = final is not None and best is not None
             met = met and final >= best - LONG_GOAL_BELOW_BEST and final >= LONG_GOAL_FINAL
         else:
-            goal = f"final - base >= {GOAL_GAIN[args.task]} within {GOAL_MINUTES:g} minutes"
-            met = gain is not None and gain >= GOAL_GAIN[args.task] and minutes <= GOAL_MINUTES
+            goal_gain, goal_minutes = task_goal(args.task)
+            goal = f"final - base >= {goal_gain} within {goal_minutes:g} minutes"
+            met = gain is not None and gain >= goal_gain and minutes <= goal_minutes
         result.update(
             {
                 "ok": rc == 0,
@@ -146,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 "best_version": s.get("best_version"),
                 "gain": gain,
                 "minutes": minutes,
-                "goal_gain": GOAL_GAIN[args.task],
+                "goal_gain": task_goal(args.task)[0],
                 "goal": goal,
                 "goal_met": met,
                 "eval_size": curve[0]["total"] if curve else None,  # prompts judged per evaluation
