@@ -97,8 +97,7 @@ class TrainerConfig(BaseModel):
         True,
         description="On cuda: torch.compile each decoder layer (ignored on cpu); rows are padded to a multiple of "
         "token_budget / 16 and each length compiles once (16 at most, tens of seconds each, in the first steps). "
-        "Qwen2.5-1.5B on an H200, long tail: 38.0 % MFU compiled, 24.2 % eager (docs/architecture.md, 'The trainer "
-        "on GPUs').",
+        "Eager layers are much slower on a GPU (docs/trainer-gpu.md; figures in docs/results.md).",
     )
     device: str = Field(
         "auto", description="torch device of the trainer's model; auto = cuda when available, else cpu."
