@@ -27,7 +27,7 @@ TOPICS = (
     "proxy and sync",
     "routing",
     "pools, scaling and failures",
-    "the trainer on GPUs",
+    "the trainer",
 )
 REQUIRED = ("what", "topic", "show", "result", "command", "commit", "date")
 OPTIONAL = ("cpu", "gpu", "conditions", "readme", "page")
