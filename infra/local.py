@@ -119,8 +119,7 @@ def _check_data(config: Config) -> None:
     the worker cannot use would otherwise stop the run only after that): raises ConfigError naming the dataset."""
     from rollout_worker.preflight import preflight  # here: it imports `datasets`, which other commands never need
 
-    data = preflight(config.rollout)
-    print(f"data: {len(data.train)} training rows; evaluation set: {data.eval_name}", flush=True)
+    preflight(config.rollout)  # the worker logs what it loaded; here only a refusal is news
 
 
 def run(config: Config) -> int:
