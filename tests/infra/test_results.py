@@ -77,14 +77,23 @@ def test_a_record_that_cannot_back_a_figure_is_refused_with_what_to_write(tmp_pa
     assert not list(tmp_path.glob("*.json")), "a refused record is not written"
 
 
-def test_relative_links_in_the_readme_and_docs_lead_to_files() -> None:
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub gives a Markdown page: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ +(.+?) *$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_in_the_readme_and_docs_lead_to_files_and_headings() -> None:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken = []
     for page in pages:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links inside code blocks are not links
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"^[a-z]+:", target):
                 continue
-            if not (page.parent / target.split("#")[0]).exists():
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path) if path else page
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
