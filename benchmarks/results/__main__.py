@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from benchmarks.results import TOPICS, RecordError, load
+from benchmarks.results import RECORDS_DIR, TOPICS, RecordError, load
 from benchmarks.results.keep import keep
 from benchmarks.results.render import README, RESULTS_PAGE, readme_table, readme_with_table, results_page
 
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--conditions", help="what else was true, e.g. 'capped at AVX2, beside a CI run'")
     k.add_argument("--readme", type=int, help="the row's place in the README's table")
     k.add_argument("--page", help="the docs page that explains it, e.g. docs/learning.md")
+    k.add_argument("--folder", type=Path, default=RECORDS_DIR, help="where records live (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "render":
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = [ln for ln in sys.stdin.read().splitlines() if ln.strip()]
         if not lines:
             raise RecordError("no JSON on stdin: pipe the benchmark's output (its last line is the result)")
-        opts = {o: getattr(args, o) for o in ("commit", "conditions", "readme", "page")}
+        opts = {o: getattr(args, o) for o in ("commit", "conditions", "readme", "page", "folder")}
         path = keep(json.loads(lines[-1]), what=args.what, topic=args.topic, show=args.show,
                     command=args.command, **opts)  # fmt: skip
         print(f"kept {path}")

@@ -59,6 +59,20 @@ def test_a_figure_measured_again_replaces_the_older_one_on_the_pages(tmp_path: P
     assert kept["cpu"].startswith(result["cpu_model"]) and kept["result"]["cpu_flags"] == result["cpu_flags"]
 
 
+def test_keep_turns_a_benchmark_json_line_into_a_record(tmp_path: Path) -> None:
+    line = json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "mfu": 0.453, "step_s": 0.876})
+    args = ["--what", "a step", "--topic", "the trainer", "--show", "{mfu:.1%} MFU", "--command", "python -m x"]
+    kept = subprocess.run([sys.executable, "-m", "benchmarks.results", "keep", *args, "--commit", "abcdef1",
+                           "--folder", str(tmp_path)], input="log line\n" + line + "\n", capture_output=True,
+                          text=True, cwd=ROOT)  # fmt: skip
+    assert kept.returncode == 0, kept.stderr
+    [record] = load(tmp_path)
+    assert (record.gpu, record.figure, record.commit) == ("NVIDIA H100 80GB HBM3", "45.3% MFU", "abcdef1")
+    nothing = subprocess.run([sys.executable, "-m", "benchmarks.results", "keep", *args, "--folder", str(tmp_path)],
+                             input="", capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert nothing.returncode == 2 and "no JSON on stdin" in nothing.stderr
+
+
 def test_a_record_that_cannot_back_a_figure_is_refused_with_what_to_write(tmp_path: Path) -> None:
     good = json.loads(next(RECORDS_DIR.glob("*.json")).read_text())
     cases = {
