@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from rollout_worker.config import RolloutConfig
 from rollout_worker.datasets.errors import DataError
+from rollout_worker.environments.groups import check_environment
 from rollout_worker.evaluation import check_judge
 from rollout_worker.prompts import PromptData, load_data
 from rollout_worker.rewards import missing_arguments
@@ -26,6 +27,8 @@ def preflight(settings: RolloutConfig) -> PromptData:
         settings.eval_dataset_split,
     )
     check_rewards(settings, data)
+    if settings.environment:  # a name that does not import, or a library's game it cannot play: before any start
+        check_environment(settings.environment, settings.environment_env)
     if len(data.eval) and not settings.environment:  # an environment's held-out episodes are judged by reward
         check_judge(settings.eval_judge, [dict(r) for r in data.eval], data.eval_name)
     return data

@@ -21,6 +21,7 @@ from rollout_worker.environments.env_vars import environment_of
 from rollout_worker.environments.groups import check_environment
 from rollout_worker.environments.host import EnvHosts
 from rollout_worker.environments.libraries.seeds import INSTRUCTION, seeds_rows
+from rollout_worker.preflight import preflight
 
 HERE = "tests.rollout_worker.test_environment_libraries"
 T = 30.0  # a call's timeout: the first one imports the library in a fresh process
@@ -125,8 +126,9 @@ def test_a_textarena_game_runs_unchanged_one_game_per_seed():
 
 def test_library_environments_are_checked_at_start_multi_agent_games_refused():
     check_environment("textarena:GuessTheNumber-v0")
+    # what `brigade local` and the worker check before anything starts (rollout_worker/preflight.py)
     with pytest.raises(ConfigError, match="TicTacToe-v0 is not a single-player game.*multi-agent games are refused"):
-        check_environment("textarena:TicTacToe-v0")
+        preflight(RolloutConfig(environment="textarena:TicTacToe-v0", eval_size=4))
     with pytest.raises(ConfigError, match="no game 'GuessTheNumbr-v0' \\(did you mean GuessTheNumber-v0"):
         check_environment("textarena:GuessTheNumbr-v0")
     with pytest.raises(ConfigError, match="skyrl-gym has no environment 'gsm9k'; its environments: .*gsm8k"):
