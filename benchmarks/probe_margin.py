@@ -55,12 +55,14 @@ def make_adapter(model_dir: str, out_dir: str, b_std: float, seed: int) -> Any:
 
     from bucket.manifest import RunSpec
     from trainer.canary import compute_canary
+    from trainer.families import peft_targets
 
     torch.manual_seed(seed)
     spec = RunSpec()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_model = get_peft_model(
-        model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules)
+        model,
+        LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=peft_targets(spec.lora_target_modules)),
     )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

@@ -49,8 +49,10 @@ class RunSpec(BaseModel):
     )
     lora_alpha: float = Field(2.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
     lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Linear layers that get a LoRA (all linear layers of a Llama-style block by default).",
+        default_factory=lambda: ["all-linear"],
+        description="Linear layers that get a LoRA, by the model's own module names (q_proj, ...); all-linear (the "
+        "default): every linear layer of the decoder blocks, as peft's all-linear finds them (Phi-3's qkv_proj and "
+        "gate_up_proj included), never the LM head.",
     )
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
     max_staleness: int = Field(

@@ -46,6 +46,7 @@ from infra.local_sizing import describe_sizing, size_for_cpu
 from infra.local_summary import write_summary
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
 from jobkit.cpu import describe
+from trainer.families import check_model
 
 log = logging.getLogger("brigade.local")
 
@@ -125,6 +126,8 @@ def _check_data(config: Config) -> None:
 def run(config: Config) -> int:
     if config.local.s3_server and config.bucket.url and not config.bucket.url.startswith("s3://"):
         raise ConfigError(f"--local.s3-server needs an s3:// bucket (or none), not {config.bucket.url!r}")
+    # a model the trainer cannot train right is refused first, before any replica spends its start-up on it
+    check_model(config.trainer.model_path, config.run.lora_target_modules, "brigade local")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
     _check_data(config)

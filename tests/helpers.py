@@ -147,6 +147,8 @@ def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from trainer.families import peft_targets
+
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     spec = RunSpec()
@@ -154,7 +156,10 @@ def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str,
     peft_model = get_peft_model(
         model,
         LoraConfig(
-            r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=spec.lora_target_modules, lora_dropout=0.0
+            r=spec.lora_rank,
+            lora_alpha=spec.lora_alpha,
+            target_modules=peft_targets(spec.lora_target_modules),
+            lora_dropout=0.0,
         ),
     )
     with torch.no_grad():

@@ -22,6 +22,7 @@ from bucket.rollouts import GroupId, ScoredGroup
 from bucket.store import Store
 from trainer.config import TrainerConfig
 from trainer.distributed import DataParallel
+from trainer.families import check_model
 from trainer.model import check_model_dir
 from trainer.stopping import StopRequest, stop_on_signals
 from trainer.trainer import Trainer
@@ -36,8 +37,9 @@ def run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig) -> int:
 
 
 def _run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig, stop: StopRequest) -> int:
-    store = open_bucket(bucket, create=True)
     check_model_dir(settings.model_path)
+    check_model(settings.model_path, spec.lora_target_modules, "trainer")  # before the bucket or any model load
+    store = open_bucket(bucket, create=True)
     dp = DataParallel(cpu=settings.device == "cpu")  # world size 1 unless started by a launcher
     if dp.is_main:
         # creates run.json on a new run, with this model's tokenizer

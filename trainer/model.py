@@ -25,6 +25,7 @@ from bucket import adapters
 from bucket.config import ConfigError
 from bucket.manifest import RunManifest, RunSpec
 from jobkit.cpu import native_bf16
+from trainer.families import FUSED_QKV_FAMILIES, peft_targets
 from trainer.kernels.projections import CONCAT_ATTR, CONCAT_BIAS_ATTR, concat_weights, fuse_qkv
 from trainer.kernels.swiglu_lora import swiglu_lora, swiglu_lora_packed
 from trainer.packing import PACKED_ATTENTION, causal_lm, set_matmul_dtype
@@ -74,7 +75,7 @@ def wrap_lora(base: torch.nn.Module, spec: RunSpec) -> PeftModel:
     lora = LoraConfig(
         r=spec.lora_rank,
         lora_alpha=spec.lora_alpha,
-        target_modules=spec.lora_target_modules,
+        target_modules=peft_targets(spec.lora_target_modules),
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -184,7 +185,8 @@ def fuse_lora_mlps(model: torch.nn.Module, concat: bool | None = None) -> int:
     concat = CONCAT_PROJECTIONS if concat is None else concat
     fused = 0
     for mod in model.modules():
-        if concat and hasattr(mod, "q_proj"):
+        family = getattr(getattr(mod, "config", None), "model_type", None)
+        if concat and hasattr(mod, "q_proj") and family in FUSED_QKV_FAMILIES:
             fuse_qkv(mod)
         parts = [getattr(mod, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
         silu = getattr(getattr(mod, "config", None), "hidden_act", None) == "silu"

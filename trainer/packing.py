@@ -34,6 +34,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.kernels import ChunkedLogProbFunction
 
+from trainer import exact
+from trainer.families import attention_quirks
 from trainer.host_arrays import host_array, repeat, to_tensor
 from trainer.kernels import tree_attention
 from trainer.kernels.logprob_head import FULL_VOCAB_MAX, FullVocabLogProbs, KeptLogitsLogProbs, keeps_logits
@@ -299,8 +301,11 @@ def block_mask(mb: MicroBatch) -> BlockMask:
     return create_block_mask(mask_mod, None, None, t, t, device=device, BLOCK_SIZE=FLEX_BLOCK)
 
 
-def attend_blocks(q, k, v, blocks: list[tuple[int, int, int, int]], scale: float | None) -> torch.Tensor:
-    """A packed row's attention as one sdpa call per block (CPU): q [1, Hq, T, D], k/v [1, Hkv, T, D]."""
+def attend_blocks(
+    q, k, v, blocks: list[tuple[int, int, int, int]], scale: float | None, sliding_window=None, softcap=None
+) -> torch.Tensor:
+    """A packed row's attention as one sdpa call per block (CPU): q [1, Hq, T, D], k/v [1, Hkv, T, D]. A block
+    that reaches past a sliding window, or any block under a score softcap, goes through exact.attend_block."""
     # split (not sliced) along the row: the backward of a split is one cat, where every slice's would be a
     # zero-filled copy of the whole row
     sizes = [end - start for start, end, _, _ in blocks]
@@ -308,9 +313,13 @@ def attend_blocks(q, k, v, blocks: list[tuple[int, int, int, int]], scale: float
     first = {start: i for i, (start, _, _, _) in enumerate(blocks)}
     out = []
     for i, (start, end, p_start, p_end) in enumerate(blocks):
+        kk, vv = ks[i], vs[i]
         if p_end > p_start:
             j = first[p_start]  # the prompt block
             kk, vv = torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2)
+        if softcap or exact.window_applies(p_end - p_start, end - start, sliding_window):
+            out.append(exact.attend_block(qs[i], kk, vv, p_end - p_start, scale, sliding_window, softcap))
+        elif p_end > p_start:
             # the whole prompt, then causal within the block
             mask = torch.ones(end - start, kk.shape[2], dtype=torch.bool, device=q.device).tril(p_end - p_start)
             out.append(F.scaled_dot_product_attention(qs[i], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True))
@@ -329,13 +338,21 @@ GPU_ATTENTION = "varlen"
 VARLEN = "varlen"  # the `packing` value that selects tree_attention (its row set by set_row)
 
 
-def attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    """The kernel packed rows attend with: "sdpa" (per block) on a CPU; on a GPU "varlen" where GPU_ATTENTION asks
-    for it, FlashAttention runs there and the matmuls are bf16 or fp16, else "flex"."""
-    if device.type != "cuda":
+def attention_kernel(device: torch.device, dtype: torch.dtype, exact_blocks: bool = False) -> str:
+    """The kernel packed rows attend with: "sdpa" (per block) on a CPU, and on any device for a model whose attention
+    has a sliding window or a score softcap (`exact_blocks`, needs_exact_attention), which neither GPU kernel here
+    honours; on a GPU "varlen" where GPU_ATTENTION asks for it, FlashAttention runs there and the matmuls are bf16
+    or fp16, else "flex"."""
+    if device.type != "cuda" or exact_blocks:
         return "sdpa"
     half = dtype in (torch.bfloat16, torch.float16)
     return VARLEN if GPU_ATTENTION == VARLEN and half and tree_attention.available(device) else "flex"
+
+
+def needs_exact_attention(config) -> bool:
+    """Whether a model's attention has a sliding window or a score softcap (trainer/families.py)."""
+    quirks = attention_quirks(config)
+    return bool(quirks["softcap"] or quirks["sliding_window"])
 
 
 def row_attention(mb: MicroBatch, dtype: torch.dtype) -> BlockMask | list[tuple[int, int, int, int]] | str:
@@ -377,7 +394,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         kw = {"block_mask": packing, "scale": scaling, "enable_gqa": True, "kernel_options": FLEX_KERNEL_OPTIONS}
         out = _flex()(query, key, value, **kw)
     else:
-        out = attend_blocks(query, key, value, packing, scaling)
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        out = attend_blocks(query, key, value, packing, scaling, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -404,8 +422,7 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
     """
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
-    if head.bias is not None or getattr(lm.config, "final_logit_softcapping", None):
-        raise ValueError("packed_logprobs supports LM heads without bias or logit softcapping")
+    softcap = getattr(lm.config, "final_logit_softcapping", None)
     dtype = getattr(lm, MATMUL_DTYPE_ATTR, head.weight.dtype)
     # Matmuls in bf16 (base weights in bf16 on a GPU, or fp32 weights cast per call on a CPU with native bf16; the
     # fp32 LoRA weights are cast per call), reductions in fp32 (RMSNorm upcasts; the log-softmax is fp32).
@@ -413,9 +430,14 @@ def packed_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tenso
         hidden = lm.base_model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
-            packing=row_attention(mb, dtype),
+            # a sliding window or a softcap: the block list on any device (attend_blocks is exact for them)
+            packing=mb.blocks if needs_exact_attention(lm.config) else row_attention(mb, dtype),
             use_cache=False,
         ).last_hidden_state[0]
+        if head.bias is not None or softcap:  # the general head: the temperature goes after the cap
+            return exact.head_logprobs(
+                hidden.index_select(0, mb.predict), head, softcap, mb.inv_temperature, mb.targets
+            )
         # logits / T = (h / T) @ W^T: the temperature goes on the hidden states, one per token
         h = hidden.index_select(0, mb.predict) * mb.inv_temperature[:, None].to(hidden.dtype)
         w = head.weight

@@ -38,7 +38,17 @@ from trainer.model import (
     load_optimizer,
     optimizer_bytes,
 )
-from trainer.packing import FLEX_BLOCK, VARLEN, attention_kernel, build, row_quantum, row_tokens, rows
+from trainer.packing import (
+    FLEX_BLOCK,
+    VARLEN,
+    attention_kernel,
+    build,
+    causal_lm,
+    needs_exact_attention,
+    row_quantum,
+    row_tokens,
+    rows,
+)
 from trainer.schedule import lr_at
 from trainer.stopping import StopRequest, hold_publish
 
@@ -54,14 +64,17 @@ class Trainer:
         device = str(self.dp.device) if self.dp.world > 1 else settings.device  # one GPU per rank
         self.model = build_model(settings.model_path, settings.dtype, manifest, device)
         self.device = next(self.model.parameters()).device
-        self.compiled = settings.compile and self.device.type == "cuda"
+        # a sliding window or a score softcap runs the exact per-block attention, whose block list compiled code
+        # would recompile for every row
+        self.exact_attention = needs_exact_attention(causal_lm(self.model).config)
+        self.compiled = settings.compile and self.device.type == "cuda" and not self.exact_attention
         if self.compiled:
             fuse_lora_mlps(self.model)  # 7-9 % off the step on an H100 (docs/trainer-gpu.md)
             compile_layers(self.model)
         self.loss = LossConfig.from_settings(settings)
         self.token_budget = settings.token_budget or default_token_budget(self.model, self.device)
         if self.device.type == "cuda":  # which attention kernel the rows run with, said once at start
-            kernel = attention_kernel(self.device, next(self.model.parameters()).dtype)
+            kernel = attention_kernel(self.device, next(self.model.parameters()).dtype, self.exact_attention)
             varlen = f" ({fa4.kernel_name(self.device)})" if kernel == VARLEN else ""
             log.info("GPU attention: %s%s; token budget %d", kernel, varlen, self.token_budget)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

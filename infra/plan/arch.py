@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from bucket.config import ConfigError
+from trainer.families import ALL_LINEAR, PACKED_LINEARS
 
 BF16_BYTES = 2
 
@@ -25,6 +26,11 @@ FAMILY_QUIRKS: dict[str, dict[str, bool]] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "smollm3": {},
+    "phi3": {},
+    # Gemma normalises before and after both the attention and the MLP (four norms a block)
+    "gemma2": {"sandwich_norms": True},
+    "gemma3_text": {"sandwich_norms": True, "qk_norm": True},
 }
 # Keys of mixture-of-experts configs: their expert weights follow other rules than a dense MLP.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -54,6 +60,7 @@ class ModelArch:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sandwich_norms: bool = False
 
     @property
     def known_family(self) -> bool:
@@ -62,6 +69,13 @@ class ModelArch:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of one block, by the module name peft targets."""
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.model_type in PACKED_LINEARS:  # Phi-3: q/k/v as one projection, gate/up as one
+            return {
+                "qkv_proj": (self.hidden, q_out + 2 * kv_out),
+                "o_proj": (q_out, self.hidden),
+                "gate_up_proj": (self.hidden, 2 * self.intermediate),
+                "down_proj": (self.intermediate, self.hidden),
+            }
         return {
             "q_proj": (self.hidden, q_out),
             "k_proj": (self.hidden, kv_out),
@@ -81,7 +95,7 @@ class ModelArch:
             biases += self.hidden
         if self.mlp_bias:
             biases += 2 * self.intermediate + self.hidden
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
         return linears + biases + norms
 
     def parameters(self) -> int:
@@ -91,13 +105,16 @@ class ModelArch:
         return embeddings + self.layers * self.block_parameters() + self.hidden + head
 
     def lora_parameters(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
-        """Trainable parameters of a LoRA: rank x (in + out) per targeted linear layer (A is r x in, B out x r)."""
+        """Trainable parameters of a LoRA: rank x (in + out) per targeted linear layer (A is r x in, B out x r);
+        `all-linear` targets every linear layer of the block, as peft's all-linear and the trainer do."""
         shapes = self.linear_shapes()
+        if [t.lower() for t in targets] == [ALL_LINEAR]:
+            targets = list(shapes)
         unknown = sorted(set(targets) - set(shapes))
         if unknown:
             raise PlanError(
                 f"LoRA target modules {unknown} are not linear layers of a {self.model_type} block; "
-                f"choose among {list(shapes)} (--run.lora-target-modules)"
+                f"choose among {list(shapes)} or {ALL_LINEAR} (--run.lora-target-modules)"
             )
         return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in set(targets))
 
@@ -161,6 +178,7 @@ def arch_from_config(config: dict[str, Any], source: str = "the model") -> Model
         o_bias=attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=quirks.get("qk_norm", False),
+        sandwich_norms=quirks.get("sandwich_norms", False),
     )
 
 
