@@ -17,7 +17,8 @@ from jobkit.cpu import cpu_class
 AVX2_ROLLOUT: dict[str, int] = {
     # half the prompts: the accuracy's standard error grows by 1.4x, still a few points at the accuracies seen
     "eval_size": 100,
-    # the answers are a number; training completions are max_completion_length = 16 tokens too
+    # the sums' answers are a number; training completions are max_completion_length = 16 tokens too. Another
+    # task's evaluation answers get its training length (size_for_cpu): shorter would cut answers it trains.
     "eval_max_tokens": 16,
     # the base and the final version are always evaluated; fewer evaluations between them
     "eval_every_versions": 16,
@@ -35,6 +36,10 @@ def size_for_cpu(config: Config, cpu: str | None = None) -> tuple[Config, dict[s
         return config, {}
     given = config.rollout.model_fields_set  # what the flags, the TOML file and overrides named
     changes = {k: v for k, v in AVX2_ROLLOUT.items() if k not in given}
+    if "eval_max_tokens" in changes:
+        changes["eval_max_tokens"] = config.rollout.max_completion_length
+        if changes["eval_max_tokens"] >= config.rollout.eval_max_tokens:
+            del changes["eval_max_tokens"]  # already no longer than a training answer
     if not changes:
         return config, {}
     rollout = config.rollout.model_copy(update=changes)

@@ -11,7 +11,9 @@
                    answer (rollout_worker/environments/held_out.py)
 
 A task fills only the [rollout] fields the user did not give (by flag, TOML file or override), as the CPU
-sizing does (infra/local_sizing.py); a dataset given that the task cannot train is an error, not ignored.
+sizing does (infra/local_sizing.py), lengths included: each task's are sized to its answers, where a run of the
+same data outside a task gets its kind's (rollout_worker/lengths.py). A dataset given that the task cannot
+train is an error, not ignored.
 """
 
 from __future__ import annotations
@@ -34,8 +36,21 @@ TASK_ROLLOUT: dict[str, dict[str, Any]] = {
     # ordered pairs), and every one held out leaves no training prompt (the worker stopped: "no training prompt
     # is left once the evaluation set is held out", AVX-512 host, 2026-12-03); 100 and 100 is what an AVX2 host
     # sized it to already.
-    "reasoning-gym": {"dataset": REASONING_GYM_DATASET, "eval_size": 100},
-    "multiturn": {"environment": MULTITURN_ENVIRONMENT, "max_turns": 2},
+    # 32 tokens, not a reasoning-gym run's 256 (rollout_worker/lengths.py): the prompt asks for the final answer
+    # alone (extract=number) and the answer is a sum of two digits; 32 leaves room for a short working such as
+    # "3 + 4 = 7", which the last-number rule still scores, without 256-token rambles on a 2-core CPU.
+    "reasoning-gym": {
+        "dataset": REASONING_GYM_DATASET,
+        "eval_size": 100,
+        "max_completion_length": 32,
+    },
+    # Each reply is a sum's answer, as in the sums task; an episode is two of them and one feedback line.
+    "multiturn": {
+        "environment": MULTITURN_ENVIRONMENT,
+        "max_turns": 2,
+        "max_completion_length": 16,
+        "max_episode_tokens": 1024,
+    },
 }
 
 
