@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Literal
+from typing import Any, Literal
 
 from datasets import Dataset
 
@@ -38,11 +38,20 @@ def content_columns(ds: Dataset) -> list[str]:
     return [c for c in ds.column_names if c not in BOOKKEEPING]
 
 
+def _as_text(value: Any) -> Any:
+    """Scalars as their text, so that a CSV's 4 and a JSONL file's "4" are one value (a training file and an
+    evaluation file of different formats still find their shared rows); containers element by element."""
+    if isinstance(value, dict):
+        return {str(k): _as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_text(v) for v in value]
+    return value if value is None or isinstance(value, str) else str(value)
+
+
 def row_keys(ds: Dataset, columns: list[str]) -> list[str]:
     """Each row's identity over `columns` (JSON text: chat prompts and nested values compare by value)."""
     cols = {c: ds[c] for c in columns}
-    # default=str: a column type JSON lacks (a date, bytes) still compares by its text
-    return [json.dumps({c: cols[c][i] for c in columns}, sort_keys=True, default=str) for i in range(len(ds))]
+    return [json.dumps({c: _as_text(cols[c][i]) for c in columns}, sort_keys=True) for i in range(len(ds))]
 
 
 def hold_out(train: Dataset, eval_size: int, name: str) -> tuple[Dataset, Dataset]:
