@@ -33,7 +33,9 @@ from bucket.version import Version
 #      switch (rollout.switch_after, rollout_worker/switch.py) records one span per version, and an episode's
 #      turns may have different versions; a format-5 reader takes every sample with turns for an episode of
 #      one version (its summary would count switched completions as episodes, its audit flag them as broken)
-FORMAT_VERSION = 6
+#   7: a group's sampling parameters carry `max_tokens` (the most tokens a sample could train), which the trainer's
+#      dr_grpo divides by; a format-6 reader refuses the field mid-run instead of at start
+FORMAT_VERSION = 7
 
 
 class RunSpec(BaseModel):

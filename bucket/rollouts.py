@@ -31,6 +31,12 @@ class SamplingParams(BaseModel):
     temperature: float = Field(ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 = no top-k (vLLM's convention)")
+    # The trainer's dr_grpo divides by it (trainer.max_completion_length unset). Recorded per group, not in
+    # run.json: the rollout's lengths are the worker's own settings (sized to its task, and two workers of one
+    # run may differ), so the group that was sampled under a limit is what can say which limit it was.
+    max_tokens: int | None = Field(
+        None, ge=1, description="the most tokens a sample could train: max_completion_length, or an episode's bound"
+    )
 
 
 class Turn(BaseModel):

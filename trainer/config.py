@@ -51,8 +51,12 @@ class TrainerConfig(BaseModel):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Advantages divided by the group's reward std, the step's, or not at all (TRL)."
     )
-    max_completion_length: int = Field(
-        512, ge=1, description="dr_grpo's constant denominator: set it to the rollout's max_completion_length."
+    max_completion_length: int | None = Field(
+        None,
+        ge=1,
+        description="dr_grpo's constant denominator (sequences x this). Unset: each group's own limit, as its shard "
+        "records it (the rollout's max_completion_length, or an episode's bound: max_turns x max_completion_length "
+        "within max_episode_tokens), so the denominator follows the rollout without being set twice.",
     )
     token_mask: bool = Field(
         False,

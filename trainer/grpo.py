@@ -68,7 +68,7 @@ class LossConfig:
     delta: float = 3.0  # 0 = no cap on the unclipped ratio
     beta: float = 0.0
     scale_rewards: ScaleRewards = "group"
-    max_completion_length: int = 512  # dr_grpo's constant denominator
+    max_completion_length: int | None = None  # dr_grpo's constant denominator; None: each group's recorded limit
     token_mask: bool = False  # IcePop: tokens whose ratio is outside the band train nothing
     token_mask_low: float = 0.5
     token_mask_high: float = 2.0
@@ -124,21 +124,31 @@ def completions(
     lengths = [n for g in [*groups, *equal] for s in g.samples if (n := s.trained_tokens)]
     n_seq, n_tok = max(len(lengths), 1), max(sum(lengths), 1)
 
-    def weight(n: int) -> float:
+    def weight(n: int, g: ScoredGroup) -> float:
         if cfg.loss_type == "grpo":
             return 1.0 / (n_seq * n)
         if cfg.loss_type == "dapo":
             return 1.0 / n_tok
-        return 1.0 / (n_seq * cfg.max_completion_length)
+        return 1.0 / (n_seq * dr_grpo_length(cfg, g))
 
     out = []
     for g, adv in zip(groups, advs):
         t = g.sampling.temperature
         inv_t = 1.0 / t if t > 0 else 1.0  # greedy: vLLM's logprobs are the untempered ones
-        cs = [_completion(s, float(a), weight(n), inv_t) for s, a in zip(g.samples, adv) if (n := s.trained_tokens)]
+        cs = [_completion(s, float(a), weight(n, g), inv_t) for s, a in zip(g.samples, adv) if (n := s.trained_tokens)]
         if cs:
             out.append((g.prompt_ids, cs))
     return out
+
+
+def dr_grpo_length(cfg: LossConfig, g: ScoredGroup) -> int:
+    """dr_grpo's length for `g`: the trainer's setting when given, else the limit the group was sampled under.
+
+    A group written without a limit (SamplingParams.max_tokens unset: another writer than the rollout worker)
+    falls back to its longest sample, the smallest limit it could have had."""
+    if cfg.max_completion_length is not None:
+        return cfg.max_completion_length
+    return g.sampling.max_tokens or max((s.trained_tokens for s in g.samples), default=1) or 1
 
 
 def _completion(s: Sample, adv: float, weight: float, inv_t: float) -> Completion:

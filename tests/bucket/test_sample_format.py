@@ -50,11 +50,11 @@ def _group(*samples: dict, version: int = 2) -> ScoredGroup:
 def test_a_format_3_bucket_is_refused_as_the_format_rule_says(local_store: Store):
     """Format 3's shards would parse (a sample without a mask is the one-turn case), but a reader knows one
     format: a bucket written before episodes is refused with the same clear error as any other format."""
-    assert FORMAT_VERSION == 6
+    assert FORMAT_VERSION == 7
     init_or_check(local_store, RunSpec(), "test")
     data = json.loads(local_store.get_bytes(layout.RUN_MANIFEST))
     local_store.put_json(layout.RUN_MANIFEST, {**data, "format_version": 3})
-    with pytest.raises(UnknownFormat, match=r"format is 3; this brigade reads and writes format 6 only"):
+    with pytest.raises(UnknownFormat, match=r"format is 3; this brigade reads and writes format 7 only"):
         read_manifest(local_store)
 
 
