@@ -26,6 +26,7 @@ SMALL = {
 }
 LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WINDOW = 8
+DROP = object()  # a field of SMALL that the family's config does not take
 # family -> transformers config class name, its fields, the LoRA targets peft's all-linear finds
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama3": {
@@ -76,11 +77,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "fields": {"no_rope_layers": [1, 0], "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
         "targets": LLAMA,
     },
+    # Pythia: q/k/v as one biased projection, partial rotary, parallel attention and MLP, LayerNorms
+    "gpt-neox": {
+        "config": "GPTNeoXConfig",
+        "fields": {"rotary_pct": 0.25, "num_key_value_heads": DROP, "head_dim": DROP},
+        "targets": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+        "random_biases": True,
+    },
 }
 # Families refused at start, with a piece of the reason they are refused for.
 REFUSED_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-moe": {"model_type": "qwen3_moe", "num_experts": 8, "why": "mixture-of-experts"},
-    "gpt-neox": {"model_type": "gpt_neox", "why": "GPT-NeoX"},
     "gemma3-multimodal": {"model_type": "gemma3", "vision_config": {}, "text_config": {}, "why": "multimodal"},
 }
 # (prompt length, completion lengths) of each group: two groups share one packed row
@@ -100,7 +107,8 @@ def tiny_config(family: str, vocab: int):
     import transformers
 
     spec = FAMILIES[family]
-    return getattr(transformers, spec["config"])(vocab_size=vocab, **SMALL, **spec["fields"])
+    fields = {k: v for k, v in {**SMALL, **spec["fields"]}.items() if v is not DROP}
+    return getattr(transformers, spec["config"])(vocab_size=vocab, **fields)
 
 
 def tiny_model(family: str, vocab: int, attn: str | None = None, seed: int = 0):

@@ -24,21 +24,21 @@ ALL_LINEAR = "all-linear"
 
 # Families the oracle (tests/trainer/test_model_families.py: packed log-probs and LoRA gradients against
 # transformers' eager forward and backward on each sequence alone) covers, keyed by config.json's model_type.
-TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
+TESTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "gpt_neox")
 # Linear layers of a block by peft's module names: Llama-style unless the family packs some of them.
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PACKED_LINEARS: dict[str, tuple[str, ...]] = {"phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+PACKED_LINEARS: dict[str, tuple[str, ...]] = {
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+}
 # Families whose attention module is transformers' Llama-style one (q/k/v projections, rotary on every layer,
 # optional per-head q/k norm), so trainer/kernels/projections.py's fused q/k/v forward computes exactly what
 # theirs does. SmolLM3 skips the rotary embedding on some layers; Gemma-2 softcaps its scores: neither is listed.
 FUSED_QKV_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # config.json keys of a mixture-of-experts model (a non-zero value)
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-REFUSED: dict[str, str] = {
-    "gpt_neox": "vLLM serves GPT-NeoX through its generic Transformers backend only, whose LoRA support does not "
-    "cover the fused query_key_value projection peft trains; brigade cannot show the replicas serve the trained "
-    "policy",
-}
+# model_type -> why the trainer refuses it (beyond the rules in `refusal`)
+REFUSED: dict[str, str] = {}
 
 
 class UnsupportedModel(ConfigError):

@@ -31,6 +31,8 @@ FAMILY_QUIRKS: dict[str, dict[str, bool]] = {
     # Gemma normalises before and after both the attention and the MLP (four norms a block)
     "gemma2": {"sandwich_norms": True},
     "gemma3_text": {"sandwich_norms": True, "qk_norm": True},
+    # every linear layer has a bias, and the norms are LayerNorms (a weight and a bias)
+    "gpt_neox": {"linear_biases": True, "layer_norm_bias": True},
 }
 # Keys of mixture-of-experts configs: their expert weights follow other rules than a dense MLP.
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -61,6 +63,8 @@ class ModelArch:
     mlp_bias: bool = False
     qk_norm: bool = False
     sandwich_norms: bool = False
+    linear_biases: bool = False
+    layer_norm_bias: bool = False
 
     @property
     def known_family(self) -> bool:
@@ -69,6 +73,13 @@ class ModelArch:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of one block, by the module name peft targets."""
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.model_type == "gpt_neox":  # q/k/v as one projection, an MLP without a gate
+            return {
+                "query_key_value": (self.hidden, q_out + 2 * kv_out),
+                "dense": (q_out, self.hidden),
+                "dense_h_to_4h": (self.hidden, self.intermediate),
+                "dense_4h_to_h": (self.intermediate, self.hidden),
+            }
         if self.model_type in PACKED_LINEARS:  # Phi-3: q/k/v as one projection, gate/up as one
             return {
                 "qkv_proj": (self.hidden, q_out + 2 * kv_out),
@@ -89,20 +100,27 @@ class ModelArch:
     def block_parameters(self) -> int:
         linears = sum(i * o for i, o in self.linear_shapes().values())
         biases = 0
-        if self.qkv_bias:
-            biases += (self.heads + 2 * self.kv_heads) * self.head_dim
-        if self.o_bias:
-            biases += self.hidden
-        if self.mlp_bias:
-            biases += 2 * self.intermediate + self.hidden
+        if self.linear_biases:
+            biases = sum(o for _, o in self.linear_shapes().values())
+        else:
+            if self.qkv_bias:
+                biases += (self.heads + 2 * self.kv_heads) * self.head_dim
+            if self.o_bias:
+                biases += self.hidden
+            if self.mlp_bias:
+                biases += 2 * self.intermediate + self.hidden
         norms = (4 if self.sandwich_norms else 2) * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return linears + biases + norms
+        return linears + biases + norms * self.norm_factor
+
+    @property
+    def norm_factor(self) -> int:
+        return 2 if self.layer_norm_bias else 1
 
     def parameters(self) -> int:
         """Every parameter: embeddings, blocks, final norm, and the LM head unless it is the embedding matrix."""
         embeddings = self.vocab * self.hidden
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return embeddings + self.layers * self.block_parameters() + self.hidden + head
+        return embeddings + self.layers * self.block_parameters() + self.hidden * self.norm_factor + head
 
     def lora_parameters(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
         """Trainable parameters of a LoRA: rank x (in + out) per targeted linear layer (A is r x in, B out x r);
@@ -179,6 +197,8 @@ def arch_from_config(config: dict[str, Any], source: str = "the model") -> Model
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=quirks.get("qk_norm", False),
         sandwich_norms=quirks.get("sandwich_norms", False),
+        linear_biases=quirks.get("linear_biases", False),
+        layer_norm_bias=quirks.get("layer_norm_bias", False),
     )
 
 
