@@ -1,6 +1,6 @@
 """What a run's bucket says about its guarantees: one audit, read from the bucket only.
 
-Used by the chaos benchmark (benchmarks/chaos.py, tests/e2e/test_chaos.py) and the
+Used by the chaos benchmark (benchmarks/system/chaos.py, tests/e2e/test_chaos.py) and the
 S3 end-to-end test (tests/e2e/test_e2e_s3.py). Every count named like a failure
 (`groups_lost`, `groups_trained_twice`, `groups_mixed_versions`,
 `versions_reused`, `uncommitted_loads`, ...) must be 0 on any run, however

@@ -11,7 +11,7 @@ The seeded schedule (`plan`):
 - in longer runs, more kills of random kinds.
 An action waits until it makes sense (`Chaos.ready`): a job is killed again
 only once it made progress since its last start, a replica only while
-another one serves. benchmarks/chaos.py runs it against S3 with injected
+another one serves. benchmarks/system/chaos.py runs it against S3 with injected
 faults and audits the bucket afterwards (infra/audit.py).
 """
 

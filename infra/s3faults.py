@@ -8,7 +8,7 @@ Two modes:
 - `rate` > 0: each request fails with that probability (seeded), drawn among
   those three and a *timeout*: the request is held `hold_s` (longer than the
   clients' read timeout, so they give up and retry) and then dropped without an
-  answer, forwarded first or not. Used by the chaos benchmark (benchmarks/chaos.py).
+  answer, forwarded first or not. Used by the chaos benchmark (benchmarks/system/chaos.py).
 
 `drop_conditions` strips If-None-Match on the way: a store without conditional
 writes. `failed` counts injected faults, `faults` the same by kind.

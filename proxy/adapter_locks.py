@@ -3,7 +3,7 @@
 A load, an unload and a join each change one side of that invariant across several awaits, so they
 must not interleave; but loads of *different runs* of a pool touch different names and never conflict.
 With one lock for all, a pool's runs waited for each other's fan-outs (load plus canary probe on every
-replica): `benchmarks.shared_pool` measured 3 runs publishing every 10 s keeping one lock busy 87 % of
+replica): `benchmarks.scaling.shared_pool` measured 3 runs publishing every 10 s keeping one lock busy 87 % of
 the time, a commit waiting p50 3.3 s behind other runs' loads before its own 2.9 s fan-out.
 
 So: one lock per run key (a pool run's id; "" for a single-run proxy, whose behaviour is unchanged: all

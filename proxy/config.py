@@ -211,8 +211,8 @@ class ProxyConfig(BaseModel):
         description="Served-policy probe: a version whose canary logprobs are closer than this to the base (mean per "
         "probed token; the initial version is 0) is admitted as near_base without a verdict: serving the base "
         "instead would change its policy by less than this. Farther versions must be shown served (pass) or are "
-        "refused. A float32 CPU replica decides from ~0.002, a bf16 one erred below 0.01 (benchmarks/probe_margin.py; "
-        "its kernel noise is systematic, not Gaussian).",
+        "refused. A float32 CPU replica decides from ~0.002, a bf16 one erred below 0.01 "
+        "(benchmarks/proxy/probe_margin.py; its kernel noise is systematic, not Gaussian).",
     )
     canary_min_shift: float = Field(
         0.25,

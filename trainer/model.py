@@ -53,7 +53,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def resolve_matmul_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The dtype the step's matmuls run in: the weights' own, except `auto` on a CPU with native bf16, where fp32
     weights are multiplied in bf16 under autocast (normalisation and the log-softmax stay fp32): the
-    long-tail CPU step 16.3-18.6 s -> 12.6-13.4 s (benchmarks/trainer_step.py, 1 group of 8)."""
+    long-tail CPU step 16.3-18.6 s -> 12.6-13.4 s (benchmarks/trainer/step.py, 1 group of 8)."""
     if dtype == "auto" and device.type == "cpu" and native_bf16():
         return torch.bfloat16
     return resolve_dtype(dtype, device)
@@ -101,7 +101,7 @@ def wrap_lora(base: torch.nn.Module, spec: RunSpec) -> PeftModel:
 # `activation_bytes_per_token` estimates 2.7 MB from the shape, a little over the eager figure.
 GPU_MEMORY_SHARE = 0.85
 GPU_TOKEN_BUDGETS = (4096, 65536)
-# On a CPU, SmolLM2-135M, 4 long-tail groups of 8 (benchmarks/trainer_step.py): 1024 tokens 66.7 s/step, 3.3 GB;
+# On a CPU, SmolLM2-135M, 4 long-tail groups of 8 (benchmarks/trainer/step.py): 1024 tokens 66.7 s/step, 3.3 GB;
 # 2048 57.9 s, 5.4 GB (fewer groups split, so fewer prompts repeated); 4096 53.8 s, 7.7 GB.
 CPU_TOKEN_BUDGET = 2048
 

@@ -367,7 +367,7 @@ def row_attention(mb: MicroBatch, dtype: torch.dtype) -> BlockMask | list[tuple[
 
 
 _FLEX = None
-# flex attention's kernel_options for packed rows (None: flex's own); candidates in benchmarks/flex_sweep.py
+# flex attention's kernel_options for packed rows (None: flex's own); candidates in benchmarks/trainer/flex_sweep.py
 FLEX_KERNEL_OPTIONS: dict | None = None
 
 

@@ -42,7 +42,7 @@ log = logging.getLogger("brigade.proxy")
 PROBE_TIMEOUT_S = 120.0  # a busy CPU replica can take a while
 PROBE_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
 # The least per-token noise assumed, however well one answer happens to fit: a float32 CPU replica's answers are
-# ~0.0001 from the trainer's (benchmarks/probe_margin.py), a bf16 replica's 0.02-0.07.
+# ~0.0001 from the trainer's (benchmarks/proxy/probe_margin.py), a bf16 replica's 0.02-0.07.
 NOISE_FLOOR = 0.001
 KEPT_BODIES = 64  # encoded probe bodies kept (a version's few batches of positions, for its whole fan-out)
 

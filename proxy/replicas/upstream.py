@@ -2,7 +2,7 @@
 
 They go over raw keep-alive connections (wire.py, the generation path's own HTTP/1.1 protocol), not httpx:
 a sync on N replicas is N loads and N probes, and every replica's /health is asked 4 times a second. Measured
-on benchmarks/sync_simulated.py at 64 replicas (2 cores, py-spy): httpx carried them at ~0.5-1 ms of CPU each,
+on benchmarks/scaling/sync_simulated.py at 64 replicas (2 cores, py-spy): httpx carried them at ~0.5-1 ms of CPU each,
 31 % of the proxy's CPU (/health alone 14 %, the fan-out's loads and probes 10 %), where a raw exchange costs
 ~0.1 ms. Answers come back as `httpx.Response`s and failures as httpx's exceptions, so callers read them as
 before.

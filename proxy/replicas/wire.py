@@ -160,7 +160,7 @@ class Exchange:
             self._timer = None
         # Let go of the sink and the callback, which refer back to this exchange: a finished exchange is freed as
         # soon as nothing refers to it, not left as cyclic garbage for the collector's full passes (those paused
-        # the proxy for 100-190 ms every ~5 s at 64 replicas and ~800 requests/s: benchmarks/sync_simulated.py).
+        # the proxy for 100-190 ms every ~5 s at 64 replicas and ~800 requests/s: benchmarks/scaling/sync_simulated.py).
         sink, on_done = self.sink, self.on_done
         self.sink, self.on_done = None, None
         if sink is not None:

@@ -275,7 +275,7 @@ class PrefixRouter:
             rid, closed = home.replica, self._closed(excluded)
             open_loads = [self._load[r] for r in self._loads.order if r not in closed]
             # Moving computes the whole conversation again, and loads even out as turns end: an episode leaves
-            # its replica for load only SESSION_BOUND allowances ahead of the least loaded (benchmarks.multiturn:
+            # its replica for load only SESSION_BOUND allowances ahead of the least loaded (benchmarks.proxy.multiturn:
             # at 2 allowances 0.5 % of turns moved, 1-3 % of episodes split, 3-4 % more prompt tokens computed,
             # and no better balance).
             over = bool(open_loads) and self._load[rid] - min(open_loads) > SESSION_BOUND * self._allowance()

@@ -15,7 +15,7 @@ returns the count the run should have, with the reason. The rule, in the order i
   trainer's bursts, and a count that does not go down to exactly what a slow phase needs comes back up in
   one move, not two. Busy replicas, not requests: a group sent as n = 1 requests is num_generations of
   them, and a worker refilling its groups in bursts keeps many in flight on replicas idle most of the
-  time (benchmarks.autoscale: with a request count, 4 replicas never came down where 1 was enough).
+  time (benchmarks.scaling.autoscale: with a request count, 4 replicas never came down where 1 was enough).
 * Otherwise **hold**. The count is sticky: a replica that crashed is still wanted, so the count does not
   follow the serving count down; before its first move it is what was started (the most replicas seen).
 
@@ -120,7 +120,7 @@ class DesiredReplicas:
         if self.looks and self.looks[-1][1].replicas != s.replicas:
             # The serving count changed: what was seen before described another count. Without this the
             # trainer's wait, which trails the change by its own horizon, doubled a count that had just
-            # grown (benchmarks.autoscale: 1 -> 2, then 2 -> 4 13 s after the second replica served).
+            # grown (benchmarks.scaling.autoscale: 1 -> 2, then 2 -> 4 13 s after the second replica served).
             self.looks.clear()
             self.since = None
         if self.since is None:

@@ -344,7 +344,7 @@ def serve(app: Any, forwarder: Forwarder, host: str, port: int, on_ready: Callab
             )
             # What is alive once started (modules, the app, its settings: ~60k objects) stays alive: frozen, it is
             # left out of the cycle collector's full passes, which walk every tracked object and stall the loop
-            # meanwhile. Measured at 64 replicas and ~800 requests/s (benchmarks/sync_simulated.py): passes of
+            # meanwhile. Measured at 64 replicas and ~800 requests/s (benchmarks/scaling/sync_simulated.py): passes of
             # 86-183 ms every ~6 s, finding no garbage at all since the hot path makes no cycles (replicas/wire.py).
             gc.collect()
             gc.freeze()

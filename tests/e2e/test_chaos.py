@@ -1,4 +1,4 @@
-"""A seeded chaos run through the chaos benchmark's own code (benchmarks/chaos.py, infra/chaos.py): every job
+"""A seeded chaos run through the chaos benchmark's own code (benchmarks/system/chaos.py, infra/chaos.py): every job
 its own process against moto's S3 behind injected faults (~10 % of requests: 503s, 500s, lost answers, timeouts).
 
 It starts with one replica and adds a second mid-run (elastic join), SIGKILLs the trainer, the rollout
@@ -7,7 +7,7 @@ the bucket only: nothing lost, nothing trained twice, no group mixing versions, 
 nothing uncommitted loaded, and the joiner loaded every live version before it got traffic.
 
 What each replica kill and leave did (ejected, served elsewhere, progress after every restart) is in the
-benchmark's result (`python -m benchmarks.chaos --minutes 8`, docs/chaos.md) and not asserted here: in
+benchmark's result (`python -m benchmarks.system.chaos --minutes 8`, docs/chaos.md) and not asserted here: in
 3 minutes on a loaded 2-core CI machine the second replica can come up so late that the replica actions
 land in the last seconds (seen once in a full-suite run: the leave never came, a kill 10 s before the
 end). A replica killed mid-traffic and one leaving on SIGTERM (it drains first) are asserted by
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chaos import _config, run_chaos
+from benchmarks.system.chaos import _config, run_chaos
 from infra.audit import MUST_BE_ZERO
 from infra.chaos import KINDS, plan
 from infra.local_task import MULTITURN_ENVIRONMENT

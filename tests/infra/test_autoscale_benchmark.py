@@ -1,4 +1,5 @@
-"""benchmarks/autoscale.py's arithmetic: the oracle, the figures read from a run, and the simulated replicas' rate."""
+"""benchmarks/scaling/autoscale.py's arithmetic: the oracle, the figures read from a run, and the simulated
+replicas' rate."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from benchmarks.autoscale_figures import (
+from benchmarks.scaling.autoscale_figures import (
     adjustments,
     best_fixed_count,
     busy_fraction,
@@ -16,8 +17,8 @@ from benchmarks.autoscale_figures import (
     replica_seconds,
     split_and_lost,
 )
-from benchmarks.autoscale_sim import FixedRate
-from benchmarks.autoscale_trainer import Phase, Step
+from benchmarks.scaling.autoscale_sim import FixedRate
+from benchmarks.scaling.autoscale_trainer import Phase, Step
 
 # The benchmark's default shape: one replica makes 1 group/s, the fast trainer eats 2.7 replicas' worth.
 FAST = 4 / 2.7

@@ -1,12 +1,12 @@
-"""benchmarks/shared_pool.py's arithmetic on synthetic figures: shares, ratios, the sync p95, the cross-run audit,
-and the per-run counters read back from the exposition the proxy renders (no vLLM here)."""
+"""benchmarks/scaling/shared_pool.py's arithmetic on synthetic figures: shares, ratios, the sync p95, the cross-run
+audit, and the per-run counters read back from the exposition the proxy renders (no vLLM here)."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks import shared_pool_figures as fig
+from benchmarks.scaling import shared_pool_figures as fig
 from proxy.metrics import _per_run
 
 WEIGHTS = {"run-a": 1.0, "run-b": 1.0, "run-c": 2.0}

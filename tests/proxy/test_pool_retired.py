@@ -1,6 +1,6 @@
 """A pool run's generations for a version past its staleness window are refused (409, nothing sent to a replica).
 
-Why it matters (benchmarks/shared_pool.py): a run whose requests wait long behind other runs' would otherwise
+Why it matters (benchmarks/scaling/shared_pool.py): a run whose requests wait long behind other runs' would otherwise
 keep generating with versions its trainer drops, and hold a dozen versions on every replica (up to 29 on one
 with --max-loras 10: vLLM evicted and re-read LoRAs all the time, a third of the pool's throughput lost).
 

@@ -2,7 +2,7 @@
 
 The real probe runs against real vLLM replicas in test_proxy_vllm.py and test_proxy_failures.py; what those cannot
 show is how often the verdict is wrong through kernel noise, which needs hundreds of draws: these draw the noise
-at the sizes measured (benchmarks/probe_margin.py): a float32 CPU replica ~0.0001 per token (floored at 0.001),
+at the sizes measured (benchmarks/proxy/probe_margin.py): a float32 CPU replica ~0.0001 per token (floored at 0.001),
 a bf16 one 0.02-0.07, around the shares of the shift measured (a correct bf16 replica 0.49-0.80, float32 1.000;
 one serving the base about 0).
 """

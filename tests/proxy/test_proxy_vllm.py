@@ -132,10 +132,10 @@ def test_load_through_the_proxy_reaches_both_replicas(vllm_replicas, model_dir, 
 
 def _adapter_and_canary(model_dir: str, out_dir: str, b_std: float, seed: int) -> tuple[dict[str, bytes], Any]:
     """A rank-1 adapter whose B is drawn with `b_std` (0 = the base model), its files, and its canary from the
-    trainer's code (benchmarks/probe_margin.py makes them the same way)."""
+    trainer's code (benchmarks/proxy/probe_margin.py makes them the same way)."""
     import torch
 
-    from benchmarks.probe_margin import make_adapter
+    from benchmarks.proxy.probe_margin import make_adapter
 
     torch.set_num_threads(1)
     canary = make_adapter(model_dir, out_dir, b_std, seed)

@@ -138,9 +138,9 @@ def test_the_proxy_keeps_an_episode_on_one_replica_and_its_version_held_between_
 
 
 def test_the_multiturn_benchmark_keeps_episodes_whole_where_round_robin_does_not():
-    """benchmarks.multiturn on a small trace: its JSON is what the closing note quotes, so its arithmetic is
+    """benchmarks.proxy.multiturn on a small trace: its JSON is what the closing note quotes, so its arithmetic is
     checked here (brigade against its baselines, on the same seeded trace)."""
-    from benchmarks.multiturn import simulate
+    from benchmarks.proxy.multiturn import simulate
 
     args = SimpleNamespace(seed=3, groups=24, group_size=4, groups_in_flight=6, version_every=64, kv_block=16)
     args.kv_blocks = 20_000

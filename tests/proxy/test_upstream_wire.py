@@ -208,7 +208,7 @@ class _Collect:
 
 def test_a_finished_exchange_leaves_no_reference_cycle():
     """With ~800 generations a second, exchanges that only the cycle collector frees made its full passes pause
-    the proxy for 100-190 ms every ~5 s (benchmarks/sync_simulated.py at 64 replicas)."""
+    the proxy for 100-190 ms every ~5 s (benchmarks/scaling/sync_simulated.py at 64 replicas)."""
     replica = Replica()
 
     async def body() -> list[Any]:

@@ -1,12 +1,12 @@
 """Pacing (rollout_worker/pacing.py): a group starts only if the trainer will train it inside the window.
 
-The rule's figures are computed by hand here; the last test runs the rule inside benchmarks/long_tail.py's
+The rule's figures are computed by hand here; the last test runs the rule inside benchmarks/system/long_tail.py's
 simulated replicas and trainer (a fake for what only a long run on many GPUs shows: a slow replica, a fast
 trainer, completions up to 2,048 tokens), where the trainer's real stale check must drop nothing."""
 
 from __future__ import annotations
 
-from benchmarks.long_tail import parse, simulate
+from benchmarks.system.long_tail import parse, simulate
 from bucket.progress import TrainerProgress
 from rollout_worker.pacing import Window, capacity, groups_between, start_budget, window
 

@@ -313,7 +313,7 @@ def test_even_rows_never_pad_more_than_first_fits():
 
     evened, unaware_pads_more = 0, 0
     for seed in range(30):
-        rng = random.Random(seed)  # benchmarks/trainer_shapes.py's long tail
+        rng = random.Random(seed)  # benchmarks/trainer/shapes.py's long tail
         lengths = [[min(max(int(rng.lognormvariate(0, 1) * 300), 16), 2048) for _ in range(8)] for _ in range(16)]
         shapes = [(rng.randint(40, 200), n) for n in lengths]
         groups = _plain_groups(shapes)

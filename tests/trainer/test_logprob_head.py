@@ -3,7 +3,7 @@
 The GPU runs two Triton kernels over the kept logits; here they run in Triton's interpreter (TRITON_INTERPRET=1, in
 a child process, since the variable is read when Triton is imported) against the torch formulas, and the function
 itself runs the torch formulas against autograd of the plain log-softmax. The GPU check of whole layers is
-benchmarks/trainer_fused_check.py --keep-logits, run by hand.
+benchmarks/trainer/fused_check.py --keep-logits, run by hand.
 """
 
 from __future__ import annotations

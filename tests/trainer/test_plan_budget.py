@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen3Config
 
-from benchmarks.trainer_shapes import SHAPES
+from benchmarks.trainer.shapes import SHAPES
 from infra.plan import sizing
 from infra.plan.arch import ModelArch
 from trainer import model as trainer_model

@@ -3,7 +3,7 @@
 The GPU runs Triton kernels; here the same kernels run in Triton's interpreter (TRITON_INTERPRET=1, in a child
 process because the variable is read when Triton is imported) and the op's CPU formulas run through autograd.
 Both are compared with autograd of the plain expression, the MLP as transformers and Rank1LoraLinear write it.
-The GPU check (loss and gradients of whole layers in bf16) is benchmarks/trainer_fused_check.py, run by hand.
+The GPU check (loss and gradients of whole layers in bf16) is benchmarks/trainer/fused_check.py, run by hand.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ FlashAttention itself does not run on a CPU: there the module's ops compute what
 causal attention per sequence with the mask aligned bottom-right, and the layout `varlen_row` builds is checked
 against the CPU path's `attend_blocks`, which is the tree mask by construction, eager and inside compiled layers
 (the ops' autograd, and the row read at run time, not traced). That the GPU kernel aligns its causal mask
-bottom-right is checked on a GPU (`benchmarks.flex_sweep --sets 0,13`, `benchmarks.trainer_fused_check
+bottom-right is checked on a GPU (`benchmarks.trainer.flex_sweep --sets 0,13`, `benchmarks.trainer.fused_check
 --attention varlen`; docs/trainer-gpu.md).
 """
 

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 # (rows, columns, warps) of a tile, per kernel, and the backward's programs per multiprocessor; chosen on an H100
-# by `python -m benchmarks.swiglu_kernel` (docs/trainer-gpu.md).
+# by `python -m benchmarks.trainer.swiglu_kernel` (docs/trainer-gpu.md).
 CONFIG = {"forward": (8, 128, 8), "backward": (16, 128, 4)}
 WAVES = 4
 
