@@ -61,6 +61,9 @@ class EventKind(StrEnum):
     # rollout worker: an environment raised, hung, died or broke its contract; its episode ended, not written
     # (episode, prompt_id, call, error)
     ENV_FAILED = "env_failed"
+    # rollout worker: a reply that looked like a tool call did not parse in the run's format; its episode went on
+    # without that call (episode, prompt_id, format, reason)
+    TOOL_CALL_UNPARSED = "tool_call_unparsed"
     # proxy: the replica count it asks for, or the count serving, changed (desired, actual, reason, signals)
     DESIRED_REPLICAS = "desired_replicas"
     # A shared pool's proxy (docs/pool.md), each with the field `run`:
@@ -96,6 +99,7 @@ EVAL_SKIPPED = EventKind.EVAL_SKIPPED
 CURRICULUM = EventKind.CURRICULUM
 REWARD_FAILED = EventKind.REWARD_FAILED
 ENV_FAILED = EventKind.ENV_FAILED
+TOOL_CALL_UNPARSED = EventKind.TOOL_CALL_UNPARSED
 DESIRED_REPLICAS = EventKind.DESIRED_REPLICAS
 RUN_ADMITTED = EventKind.RUN_ADMITTED
 RUN_REFUSED = EventKind.RUN_REFUSED

@@ -57,6 +57,15 @@ class _Live(ScrapeCollector):
         for reason, n in v["retries"].items():
             retries.add_metric([reason], n)
         yield retries
+        unparsed = CounterMetricFamily(
+            "brigade_rollout_tool_calls_unparsed",
+            "Episode replies that looked like a tool call but did not parse in the run's tool-call format, by format "
+            "(each also a tool_call_unparsed event with the reason).",
+            labels=["format"],
+        )
+        for fmt, n in v.get("tool_calls_unparsed", {}).items():
+            unparsed.add_metric([fmt], n)
+        yield unparsed
         # the in-flight version switch (rollout.switch_after; rollout_worker/switch.py): absent while it is off
         for key, name, doc in SWITCH_COUNTERS:
             if key in v.get("switch", {}):

@@ -1,9 +1,13 @@
 """One episode: an environment instance, a conversation, and the token stream the model saw.
 
 A TRL-style environment ("tools"): reset's string is appended to the last user message; the model replies;
-each `<tool_call>` block of a reply is run as the environment's method and its result (or its error) becomes a
-tool message; the model replies again, until a reply calls no tool, `max_tool_calls` calls were made or a bound
-is reached. `get_reward()`, when the class has it, is read at the end.
+each tool call of a reply, in the model's own format (tool_calls/: the template's, or rollout.tool_call_format),
+is run as the environment's method and its result (or its error) becomes a tool message; the model replies
+again, until a reply calls no tool, `max_tool_calls` calls were made or a bound is reached. A reply that looks
+like a call but does not parse (cut before its end, not JSON) never passes silently: the reason is recorded
+(`Episode.unparsed`, a `tool_call_unparsed` event, a worker metric), and a call whose body is there but broken
+is answered with the error, as TRL answers a tool that raises. `get_reward()`, when the class has it, is read
+at the end.
 
 A text-step environment ("step"): reset's observation is appended to the last user message; each reply is the
 action given to `step`, whose observation becomes the next user message, until `done` or a bound; the
@@ -27,7 +31,8 @@ from bucket.rollouts import Sample
 from rollout_worker.environments.contract import STEP, TOOLS, EnvError, check_observation, check_reward, check_step
 from rollout_worker.environments.host import EnvProcess
 from rollout_worker.environments.stream import Renderer, Stream, extension, overlap
-from rollout_worker.environments.tool_calls import parse_tool_calls, with_tool_instructions
+from rollout_worker.environments.tool_calls import SPECIAL_MARKERS, parse_reply, with_tool_instructions
+from rollout_worker.environments.tool_calls.detect import FormatChooser
 from rollout_worker.generation import Generator, _check_served
 
 SESSION_HEADER = "X-Session-ID"
@@ -40,6 +45,7 @@ class Limits:
     max_episode_tokens: int
     max_completion_length: int
     timeout_s: float
+    tool_call_format: str = "auto"  # rollout.tool_call_format: a format's name, or the template's (auto)
 
 
 @dataclass
@@ -57,6 +63,8 @@ class Episode:
     env: Any = None  # the instance as it ended, for reward functions' environments= (None when unpicklable)
     error: str = ""
     failed_call: str = ""
+    tool_format: str = ""  # the format its replies' tool calls were read in (TRL-style environments)
+    unparsed: list[str] = field(default_factory=list)  # why a reply that looked like a call gave no usable call
 
     @property
     def completion(self) -> list[dict[str, Any]]:
@@ -84,9 +92,19 @@ def append_to_last_user(messages: list[dict[str, Any]], text: str) -> list[dict[
 class EpisodeRun:
     """Runs one episode in its own environment process (host.py); EnvError ends it, recorded, not raised."""
 
-    def __init__(self, spec: str, proc: EnvProcess, generator: Generator, renderer: Renderer, limits: Limits):
+    def __init__(
+        self,
+        spec: str,
+        proc: EnvProcess,
+        generator: Generator,
+        renderer: Renderer,
+        limits: Limits,
+        formats: FormatChooser | None = None,
+    ):
         self.spec, self.proc, self.gen, self.renderer, self.lim = spec, proc, generator, renderer, limits
+        self.formats = formats or FormatChooser(limits.tool_call_format, generator, renderer)
         self.call_name = ""
+        self.tools: list[dict[str, Any]] = []
 
     async def _call(self, op: str, *args: Any) -> Any:
         self.call_name = op
@@ -112,10 +130,11 @@ class EpisodeRun:
             messages = append_to_last_user(messages, obs)
         template_tools = None
         if kind == TOOLS and info["tools"]:
+            self.tools, ep.tool_format = info["tools"], await self.formats.format()
             if await self.renderer.renders_tools(info["tools"]):
                 template_tools = info["tools"]
             else:
-                messages = with_tool_instructions(messages, info["tools"])
+                messages = with_tool_instructions(messages, info["tools"], ep.tool_format)
         ep.messages, ep.prompt_len = messages, len(messages)
         stream = ep.stream = Stream(await self.renderer.render(messages, True, template_tools), template_tools)
         for turn in range(self.lim.max_turns):
@@ -134,7 +153,7 @@ class EpisodeRun:
             before = list(ep.messages)
             ep.messages.append(reply)
             ep.finish_reason = sample.finish_reason
-            new = await (self._tools(ep, sample.text) if kind == TOOLS else self._step(ep, sample.text))
+            new = await (self._tools(ep, sample) if kind == TOOLS else self._step(ep, sample.text))
             if not new:
                 break
             if turn + 1 == self.lim.max_turns:
@@ -155,16 +174,27 @@ class EpisodeRun:
         if kind == TOOLS and info["has_reward"]:
             ep.env_reward = check_reward(await self._call("get_reward"))
 
-    async def _tools(self, ep: Episode, text: str) -> list[dict[str, Any]]:
+    async def _tools(self, ep: Episode, sample: Sample) -> list[dict[str, Any]]:
         """The reply's tool calls run, as tool messages; none when it called none or the budget is spent."""
+        text = sample.text
+        if ep.tool_format in SPECIAL_MARKERS:  # its markers are special tokens, which the reply's text leaves out
+            resp = await self.gen._post("/detokenize", {"model": self.gen.base_model, "tokens": sample.completion_ids})
+            text = str(resp.json().get("prompt", text))
+        parsed = parse_reply(text, ep.tool_format, self.tools)
+        if parsed.unparsed:
+            cut = " (the reply was cut at its token limit)" if sample.finish_reason == "length" else ""
+            ep.unparsed.append(parsed.unparsed + cut)
         out = []
-        for call in parse_tool_calls(text):
+        for call in parsed.calls:
             if ep.tool_calls >= self.lim.max_tool_calls:
                 ep.finish_reason = "max_tool_calls"
                 break
             ep.tool_calls += 1
             content = str({"error": call.error}) if call.error else await self._call("tool", call.name, call.arguments)
-            out.append({"role": "tool", "name": call.name, "content": content})
+            message = {"role": "tool", "name": call.name, "content": content}
+            if ep.tool_format == "mistral":  # Mistral's templates refuse a tool message without a 9-character id
+                message["tool_call_id"] = f"call{ep.tool_calls:05d}"
+            out.append(message)
         return out
 
     async def _step(self, ep: Episode, text: str) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ evaluation's rule too.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import uuid
@@ -35,6 +36,7 @@ from rollout_worker.environments.host import EnvHosts, check_in_process
 from rollout_worker.environments.libraries import is_library
 from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.environments.stream import Renderer
+from rollout_worker.environments.tool_calls.detect import FormatChooser
 from rollout_worker.generation import AdapterRetired, Generator
 from rollout_worker.live_adapter import LiveAdapter
 from rollout_worker.rewards import Scorer
@@ -89,12 +91,13 @@ class EpisodeRunner:
         self.spec, self.limits, self.gen, self.scorer = spec, limits, generator, scorer
         self.hosts = EnvHosts(max_idle=max_idle, passed_env=passed_env)  # passed_env: --rollout.environment-env
         self.renderer = Renderer(generator)
+        self.formats = FormatChooser(limits.tool_call_format, generator, self.renderer)  # probed once per run
 
     async def run_episode(self, eid: str, row: dict[str, Any], model: str, version: int) -> Episode:
         """One episode (`eid`: its turns' X-Session-ID); an environment's failure is in the Episode's `error`."""
         proc = self.hosts.acquire()
         try:
-            run = EpisodeRun(self.spec, proc, self.gen, self.renderer, self.limits)
+            run = EpisodeRun(self.spec, proc, self.gen, self.renderer, self.limits, self.formats)
             return await run.run(eid, row, model, version, snapshot=bool(self.scorer.specs))
         except BaseException:
             proc.kill()  # cancelled or a generation failure mid-episode: the instance is not left half-used
@@ -123,6 +126,7 @@ class EpisodeGroups(EpisodeRunner):
         super().__init__(spec, limits, generator, scorer, max_episodes, passed_env)
         self.ev, self.sampling = ev, sampling
         self.failed = 0  # episodes ended by their environment
+        self.unparsed: collections.Counter[str] = collections.Counter()  # replies like a call that did not parse
 
     async def group(self, row: dict[str, Any], adapters: LiveAdapter, n: int, extra: dict[str, Any]) -> ScoredGroup:
         """One row's episodes, all begun on the version the group started with; again with a newer one if a pool
@@ -161,6 +165,17 @@ class EpisodeGroups(EpisodeRunner):
                     prompt_id=str(row["prompt_id"]),
                     call=ep.failed_call,
                     error=ep.error[:500],
+                    version=version,
+                )
+        for ep in episodes:
+            for reason in ep.unparsed:  # a reply that looked like a call gave none: counted and said, never silent
+                self.unparsed[ep.tool_format] += 1
+                self.ev.emit(
+                    events.TOOL_CALL_UNPARSED,
+                    episode=ep.episode_id,
+                    prompt_id=str(row["prompt_id"]),
+                    format=ep.tool_format,
+                    reason=reason[:500],
                     version=version,
                 )
         good = [ep for ep in episodes if not ep.error and ep.stream is not None and ep.stream.turns]
@@ -238,4 +253,5 @@ def limits_of(settings: Any) -> Limits:
         settings.max_episode_tokens,
         settings.max_completion_length,
         settings.environment_timeout_s,
+        getattr(settings, "tool_call_format", "auto"),
     )
