@@ -3,7 +3,7 @@
 The worker holds the bucket's credentials (AWS_*, a gs:// or hf:// token), the pool token and the proxy's admin
 token in its environment. An environment is the user's code and the libraries it imports: whatever it could read
 it could also send away. So its process (host.py) starts with only the variables below, plus the names a run adds
-with `--rollout.environment-env NAME ...`; PYTHONPATH is set to the worker's import path so that the environment's
+with `--rollout.environment-env NAME,NAME`; PYTHONPATH is set to the worker's import path so that the environment's
 module imports as it does in the worker. A name that holds a credential brigade itself uses cannot be added: the
 setting is refused when it is read (rollout_worker/config.py).
 """
