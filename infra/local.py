@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from bucket import tokenizer_id
 from bucket.manifest import init_or_check
@@ -47,6 +48,9 @@ from infra.local_summary import write_summary
 from infra.s3server import LoopbackS3, create_bucket, start_loopback_s3, use_loopback_s3
 from jobkit.cpu import describe
 from trainer.families import check_model
+
+if TYPE_CHECKING:
+    from rollout_worker.prompts import PromptData  # imports `datasets`: only the data check pays for it
 
 log = logging.getLogger("brigade.local")
 
@@ -115,12 +119,25 @@ class LocalRun(LocalJobs):
         self.progress.poll()
 
 
-def _check_data(config: Config) -> None:
+def _check_data(config: Config) -> PromptData:
     """The rollout worker's data checks, before any process starts (replicas take minutes to start; a dataset
     the worker cannot use would otherwise stop the run only after that): raises ConfigError naming the dataset."""
     from rollout_worker.preflight import preflight  # here: it imports `datasets`, which other commands never need
 
-    preflight(config.rollout)  # the worker logs what it loaded; here only a refusal is news
+    return preflight(config.rollout)  # the worker logs what it loaded; here only a refusal is news
+
+
+def _check_lengths(config: Config, data: PromptData) -> tuple[Config, str]:
+    """The lengths against the data and the environment's tools, with the model's tokenizer, before any process
+    starts (infra/local_lengths.py): a refusal is a ConfigError; replica.max_model_len sized when not given.
+    Returns the config and a line saying the lengths (printed after the CPU sizing's)."""
+    from infra.local_lengths import check_local_lengths, describe_lengths  # here: it imports transformers
+
+    ensure_model(config)  # the tokenizer it counts with (built once; the run finds it there)
+    config, check = check_local_lengths(config, data.train, data.eval)
+    for warning in check.warnings:
+        print(f"warning: {warning}", flush=True)
+    return config, describe_lengths(config, check)
 
 
 def run(config: Config) -> int:
@@ -130,18 +147,20 @@ def run(config: Config) -> int:
     check_model(config.trainer.model_path, config.run.lora_target_modules, "brigade local")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
-    _check_data(config)
+    config, lengths = _check_lengths(config, _check_data(config))
     if config.local.runs > 1:  # several runs on one shared pool of replicas
         from infra.local_pool import run_pool  # here: only a pool run pays for its imports
 
         if sizing:
             print(describe_sizing(sizing), flush=True)
+        print(lengths, flush=True)
         return run_pool(config, sizing)
     count = replica_count(config)
     if count.auto:  # the proxy never asks for more replicas than this run may start
         config.proxy.max_replicas = count.high
     if sizing:
         print(describe_sizing(sizing), flush=True)
+    print(lengths, flush=True)
     run_dir = run_dir_for(config)
     logs = os.path.join(run_dir, "logs")
     os.makedirs(logs, exist_ok=True)
