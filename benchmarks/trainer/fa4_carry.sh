@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Builds what benchmarks/trainer/gpu.sh sets v and w carry to the device: flash-attn-4 and NVIDIA's CuTe DSL
+# Builds what benchmarks/trainer/gpu.sh carries to the device for flash-attn-4: the package and NVIDIA's CuTe DSL
 # installed for the device image's Python 3.12 and CUDA 13 torch (374 MB), xz-compressed into two parts that each
 # fit one call's carry (64 MiB): .fa4/a/ir.so.xz (the DSL's MLIR library) and .fa4/b (its runtime library and a
 # tar of the rest). .fa4/ is git-ignored. The versions are the ones measured (docs/trainer-gpu.md).
 #   bash benchmarks/trainer/fa4_carry.sh     # a few minutes: about 120 MB of wheels, then xz -9
 # Then: run(carry [".fa4/a"]) copying .fa4/a/ir.so.xz to /tmp/keep, and at once run(carry [".whl", ".fa4/b"])
-# with `bash benchmarks/trainer/gpu.sh w` (the machine must still be warm: it keeps /tmp between calls).
+# with `bash benchmarks/trainer/gpu.sh check fa4` (the machine must still be warm: it keeps /tmp between calls).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tmp=$(mktemp -d)

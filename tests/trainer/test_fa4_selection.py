@@ -1,5 +1,5 @@
 """Which varlen kernel the tree attention runs (trainer/kernels/fa4.py). flash-attn-4 runs only on a Hopper GPU,
-which CI does not have: its kernels are checked by hand on one (benchmarks/trainer/gpu.sh set w,
+which CI does not have: its kernels are checked by hand on one (benchmarks/trainer/gpu.sh check fa4,
 docs/trainer-gpu.md); here the choice and the fallback, with the card's capability and the package stood in for."""
 
 import logging
