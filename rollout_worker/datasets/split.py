@@ -50,7 +50,8 @@ def _as_text(value: Any) -> Any:
 
 def row_keys(ds: Dataset, columns: list[str]) -> list[str]:
     """Each row's identity over `columns` (JSON text: chat prompts and nested values compare by value)."""
-    cols = {c: ds[c] for c in columns}
+    # to_dict: whole columns as Python lists at once (indexing a `datasets` Column row by row is ~100x slower)
+    cols = ds.select_columns(columns).to_dict()
     return [json.dumps({c: _as_text(cols[c][i]) for c in columns}, sort_keys=True) for i in range(len(ds))]
 
 
