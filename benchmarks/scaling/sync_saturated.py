@@ -31,6 +31,7 @@ import httpx
 
 from benchmarks.proxy.overhead import free_port
 from benchmarks.proxy.probe_margin import make_adapter
+from benchmarks.report import percentile
 from bucket import adapters, events, priority, replicas
 from bucket.canary import MARKER_FIELD as CANARY_FIELD
 from bucket.manifest import RunSpec, init_or_check
@@ -46,13 +47,6 @@ def _http_ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 class Bench:
@@ -188,16 +182,16 @@ async def measure(bench: Bench, versions: int, tokens: int) -> dict[str, Any]:
         if e["kind"] == events.LOADED and e["ts"] >= loaded_since and "load_s" in e
     ]
     ejected = [e for e in evs if e["kind"] == events.REPLICA_EJECTED]
-    idle_p95, loaded_p95 = _percentile(idle, 95), _percentile(loaded, 95)
+    idle_p95, loaded_p95 = percentile(idle, 95), percentile(loaded, 95)
     r = lambda x: None if x is None else round(x, 3)  # noqa: E731
     return {
         "versions": versions,
-        "idle_p50_s": r(_percentile(idle, 50)),
+        "idle_p50_s": r(percentile(idle, 50)),
         "idle_p95_s": r(idle_p95),
-        "loaded_p50_s": r(_percentile(loaded, 50)),
+        "loaded_p50_s": r(percentile(loaded, 50)),
         "loaded_p95_s": r(loaded_p95),
         "loaded_vs_idle_p95": r(loaded_p95 / idle_p95) if idle_p95 and loaded_p95 else None,
-        "probe_wait_p95_s": r(_percentile(probe, 95)),
+        "probe_wait_p95_s": r(percentile(probe, 95)),
         "false_ejections": len(ejected),
         "eval_s_per_version": r(sum(evals) / len(evals)) if evals else None,
         "generated_tokens_per_s": round(counts["tokens"] / max(seconds, 1e-9), 1),
