@@ -22,6 +22,7 @@ from rollout_worker.environments.host import EnvProcess
 from rollout_worker.environments.libraries import is_library
 from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.length_check import LengthCheck, check_lengths
+from rollout_worker.lengths import fit_episodes
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,13 @@ class ProxyTokens:
     def encode(self, text: str) -> list[int]:
         return self._tokens({"prompt": text})
 
+    def max_model_len(self) -> int | None:
+        """The replicas' limit on a request, as vLLM's /tokenize reports it (None from a server that does not)."""
+        resp = self.client.post("/tokenize", json={"model": self.base_model, "prompt": "x"})
+        resp.raise_for_status()
+        value = resp.json().get("max_model_len")
+        return int(value) if isinstance(value, int) else None
+
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
         return self._tokens(body | ({"tools": tools} if tools else {}))
@@ -88,7 +96,8 @@ class ProxyTokens:
 async def check_worker_lengths(
     settings: Any, train: Any, eval_rows: Any, url: str, headers: dict[str, str], base_model: str
 ) -> None:
-    """The worker's check, before its first group: raises ConfigError when a tool call or answer cannot fit."""
+    """The worker's check, before its first group: raises ConfigError when a tool call or answer cannot fit. An
+    episode bound not given is first fitted to the replicas' max_model_len (`settings` changes then)."""
     tools = await tools_or_warn(settings)
     train = train.select(range(min(WORKER_ROWS, len(train))))
     if eval_rows is not None and len(eval_rows):
@@ -96,6 +105,12 @@ async def check_worker_lengths(
 
     def run() -> LengthCheck:
         with httpx.Client(base_url=url, headers=headers, timeout=settings.request_timeout_s) as client:
-            return check_lengths(settings, train, eval_rows, ProxyTokens(client, base_model), tools)
+            tokens = ProxyTokens(client, base_model)
+            # the replicas' max_model_len: a deployment started without `brigade local` has it from its own flags
+            limit = tokens.max_model_len()
+            fitted = fit_episodes(settings, limit)  # before the Worker reads the settings (the shards' bound)
+            if fitted:
+                log.info("%s", fitted)
+            return check_lengths(settings, train, eval_rows, tokens, tools, limit)
 
     report(await asyncio.to_thread(run), "rollout worker")

@@ -75,3 +75,14 @@ def sampled_limit(settings: Any) -> int:
     if settings.environment:
         return episode_limit(settings.max_turns, settings.max_completion_length, settings.max_episode_tokens)
     return settings.max_completion_length
+
+
+def fit_episodes(settings: Any, max_model_len: int | None) -> str:
+    """An episode bound the user did not give yields to the replicas' max_model_len (every turn's request holds
+    the episode so far, and vLLM refuses one longer than that); a given one is kept (and refused by the length
+    check if it cannot fit). Returns a line saying what changed ('' when nothing did)."""
+    too_long = max_model_len is not None and settings.max_episode_tokens > max_model_len
+    if not settings.environment or "max_episode_tokens" in settings.model_fields_set or not too_long:
+        return ""
+    settings.__dict__["max_episode_tokens"] = max_model_len
+    return f"rollout.max_episode_tokens {max_model_len}: the replicas' max_model_len, which an episode must fit"

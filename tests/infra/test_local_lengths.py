@@ -84,13 +84,21 @@ def test_an_environment_run_gets_room_for_tool_calls_and_the_replicas_follow(tmp
 
 
 def test_a_given_max_model_len_is_never_changed_but_refused_when_an_episode_cannot_fit(tmp_path, started):
+    # both given, and contradictory: refused, neither changed
     config = _local(
         *("--bucket", str(tmp_path / "bucket"), "--rollout.environment", ENV, "--rollout.eval-size", "0"),
-        *("--replica.max-model-len", "1024"),
+        *("--replica.max-model-len", "1024", "--rollout.max-episode-tokens", "2048"),
     )
     with pytest.raises(ConfigError, match=r"replica.max_model_len 1024 cannot hold .* --replica.max-model-len 2048"):
         infra.local.run(config)
     assert "config" not in started
+    # the episode bound not given: the task's 2048 yields to the max_model_len given
+    fits = _local(
+        *("--bucket", str(tmp_path / "b1"), "--rollout.environment", ENV, "--rollout.eval-size", "0"),
+        *("--replica.max-model-len", "1024"),
+    )
+    assert infra.local.run(fits) == 0
+    assert (started["config"].rollout.max_episode_tokens, started["config"].replica.max_model_len) == (1024, 1024)
     ok = _local(
         *("--bucket", str(tmp_path / "b2"), "--rollout.environment", ENV, "--rollout.eval-size", "0"),
         *("--replica.max-model-len", "4096"),
@@ -126,3 +134,24 @@ def test_a_tool_call_is_counted_with_every_argument(model_dir):
     least = example_call(tool, shortest=True)  # only the required arguments, each its type's shortest value
     assert '"year": 1' in least and '"country": ""' in least and "include_population" not in least
     assert 16 < len(LocalTokens(model_dir).encode(least)) < n < 256, n  # more than the sums' 16, within 256
+
+
+def test_the_local_tokenizer_gives_transformers_ids(model_dir):
+    """LocalTokens reads tokenizer.json and renders the template without importing AutoTokenizer (seconds per
+    local run); what it counts must be what transformers (the trainer's tokenizer) makes of the same input."""
+    from transformers import AutoTokenizer
+
+    from rollout_worker.environments.contract import describe
+
+    auto, local = AutoTokenizer.from_pretrained(model_dir), LocalTokens(model_dir)
+    [tool] = describe(Lookup).tools
+    chats = [
+        [{"role": "user", "content": "What is 2 + 3? Answer with just the number."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+    ]
+    for messages in chats:
+        for tools in (None, [tool]):
+            ids = auto.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+            assert local.render(messages, tools) == list(ids["input_ids"])
+    call = example_call(tool)
+    assert local.encode(call) == auto.encode(call, add_special_tokens=False)
