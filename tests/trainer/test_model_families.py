@@ -1,6 +1,6 @@
 """Every model family the trainer supports, against transformers' own eager forward and backward (the oracle).
 
-For each family a TINY random model is built offline from its config class (2 layers, hidden 64), with what
+For each family a TINY random model is built offline from its config class (2 layers, hidden 128), with what
 makes the family different made to matter: a sliding window shorter than the sequences (Mistral, Gemma-2/3), score
 and final-logit softcaps small enough to bend the scores (Gemma-2), random q/k/v biases (Qwen2), a partial rotary
 embedding (Phi-4-mini), a layer without rotary embedding (SmolLM3), tied embeddings. The trainer's per-token
@@ -33,8 +33,10 @@ def vocab(model_dir) -> int:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_logprobs_and_lora_gradients_match_transformers_eager(family, vocab):
     result = oracle(family, vocab)
-    assert result["max_logprob_diff"] < 2e-5, result
-    assert result["max_grad_diff"] < 1e-4 * max(1.0, result["grad_scale"]), result
+    # fp32 tolerance for log-probs of magnitude ~10 and sums over a few hundred terms; a dropped window or
+    # softcap is off by more than 1 nat and turns the gradient's cosine to 0.96 or less
+    assert result["max_logprob_diff"] < 1e-4, result
+    assert result["max_grad_diff"] < 1e-3 * max(1.0, result["grad_scale"]), result
     assert result["grad_cosine"] > 0.99999, result
     assert sorted(result["lora_targets"]) == sorted(FAMILIES[family]["targets"]), result
 
