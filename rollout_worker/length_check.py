@@ -34,7 +34,7 @@ from rollout_worker.lengths import kind
 FORMAT_MARGIN = 16
 # Rows checked per dataset: every row of a small one; a large one's evenly spaced sample (a prompt longer than
 # every checked one may still be cut: the message says how many were checked).
-CHECKED_ROWS = 512
+CHECKED_ROWS = 256
 # A string argument's stand-in: a few words, as a model passes a query or a name.
 EXAMPLE_STRING = "an example value of a few words, as a model would pass it"
 
