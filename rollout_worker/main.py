@@ -45,6 +45,8 @@ from rollout_worker.environments.held_out import HeldOutEpisodes
 from rollout_worker.eval_schedule import EvalSchedule
 from rollout_worker.evaluation import EVAL_CONCURRENCY, Evaluator
 from rollout_worker.generation import AdapterRetired, Generator
+from rollout_worker.length_preflight import check_worker_lengths
+from rollout_worker.lengths import sampled_limit
 from rollout_worker.live_adapter import LiveAdapter, wait_for_proxy
 from rollout_worker.metrics import RolloutMetrics
 from rollout_worker.pacing import start_budget, window
@@ -85,7 +87,12 @@ class Worker:
         data: PromptData | None = None,  # preflight's, when run_async checked it first
     ):
         self.rc, self.store, self.manifest = settings, store, manifest
-        self.sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        self.sampling = SamplingParams(
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            max_tokens=sampled_limit(settings),  # the trainer's dr_grpo denominator, unless it sets its own
+        )
         worker_id = settings.worker_id or events.default_writer("rollout")
         self.ev = QueuedEvents(store, "rollout", writer=f"{worker_id}-events")  # appended off the event loop
         self.adapters = LiveAdapter(client, manifest)
@@ -156,6 +163,7 @@ class Worker:
             "retries": dict(self.generator.retries),
             "switch": dict(self.generator.switch.counts) if self.generator.switch else {},
             "shards": self.output.shards_written,
+            "tool_calls_unparsed": dict(self.episodes.unparsed) if self.episodes is not None else {},
         }
 
     async def generate_group(self, row: dict[str, Any]) -> ScoredGroup:
@@ -374,6 +382,9 @@ async def run_async(settings: RolloutConfig, spec: RunSpec, bucket: BucketConfig
             else "`brigade proxy` or fix --rollout.proxy-url"
         )
         await wait_for_proxy(client, url, bucket.manifest_wait_s, hint)
+        # Before the first group: the lengths against the environment's tools and the data, with the replicas' own
+        # tokenizer (length_check.py); a run started without `brigade local` is refused here instead of after it.
+        await check_worker_lengths(settings, data.train, data.eval, url, auth_headers(token), manifest.base_model)
         worker = Worker(settings, store, manifest, client, data)
         if settings.metrics:
             worker.metrics.serve(settings.metrics_host, settings.metrics_port)

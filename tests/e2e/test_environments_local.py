@@ -11,7 +11,10 @@ multiturn run's held-out sums are evaluated as greedy episodes of its game (roll
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+
+import pytest
 
 from bucket import checkpoints, events
 from bucket.rollouts import read_shards
@@ -23,12 +26,11 @@ EVAL_SIZE = 6
 
 
 class SumsWithCalculator:
-    """A sum to answer, with a calculator the model may call."""
+    """A sum to answer, with a calculator the model may call: full reward only for a call that computed the sum."""
 
-    def reset(self, **row) -> str:
+    def reset(self, **row) -> None:
         self.answer = int(row["answer"])
-        self.calls = 0
-        return " You may call the add tool."
+        self.results: list[int] = []
 
     def add(self, a: int, b: int) -> int:
         """Adds two whole numbers.
@@ -40,21 +42,63 @@ class SumsWithCalculator:
         Returns:
             Their sum.
         """
-        self.calls += 1
+        self.results.append(a + b)
         return a + b
 
     def get_reward(self) -> float:
-        return 0.1 if self.calls else 0.0  # a little for using the tool; the answer's reward comes from exact_match
+        return 1.0 if self.answer in self.results else 0.0  # the reward exists only through the tool's result
 
 
-def _run(tmp_path, model_dir, *flags: str) -> tuple[Store, dict]:
+def _call(a: int, b: int) -> str:
+    return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+
+
+def _computed(reply: str):
+    """What the environment's add returned for the reply's first call; None when the call raised (not JSON, another
+    tool, other arguments): the model was then answered with the error."""
+    block = re.search(r"<tool_call>(.*?)</tool_call>", reply, re.S)
+    try:
+        call = json.loads(block.group(1))
+        args = call["arguments"]
+        if call["name"] != "add" or set(args) != {"a", "b"}:
+            return None
+        return args["a"] + args["b"]
+    except (AttributeError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+def _few_shot_rows(n: int) -> list[dict]:
+    """Chat prompts that show two solved sums (a call, its result, the answer) before the question.
+
+    SmolLM2-135M was never trained to call tools; shown the worker's own instructions and two worked exchanges
+    in the format they name, it copies the call for most sums (about 70 % of sampled replies, measured with
+    temperature 0.7) and answers others directly. Its replies are sampled as they are: the call is the model's.
+    """
+    shots = []
+    for a, b in ((3, 4), (12, 30)):
+        shots += [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": _call(a, b)},
+            {"role": "tool", "content": str(a + b)},
+            {"role": "assistant", "content": str(a + b)},
+        ]
+    rows = []
+    for i in range(n):
+        a, b = 5 + (i * 7) % 40, 9 + (i * 11) % 37
+        system = {"role": "system", "content": "You are a calculator. Use the add tool for every sum."}
+        question = {"role": "user", "content": f"What is {a} + {b}?"}
+        rows.append({"prompt": [system, *shots, question], "answer": a + b})
+    return rows
+
+
+def _run(tmp_path, model_dir, *flags: str, completion_length: int = 12) -> tuple[Store, dict]:
     bucket = tmp_path / "bucket"
     proxy_port = free_port()
     cmd = brigade_local(
         str(bucket),
         model_dir,
         *("--local.num-replicas", "1", "--run.num-generations", "4", "--trainer.max-steps", "2"),
-        *("--trainer.groups-per-step", "1", "--rollout.max-completion-length", "12"),
+        *("--trainer.groups-per-step", "1", "--rollout.max-completion-length", str(completion_length)),
         *("--rollout.groups-per-shard", "1", "--rollout.max-inflight-groups", "2", "--rollout.eval-size", "0"),
         *("--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}"),
         *("--local.base-port", str(listen_ports(2)), "--trainer.metrics-port", str(free_port())),
@@ -112,18 +156,41 @@ def test_the_multiturn_task_trains_on_two_try_episodes(tmp_path, model_dir):
     assert summary["base_accuracy"] == evals[0]["accuracy"]
 
 
-def test_a_trl_style_environment_class_trains_unchanged(tmp_path, model_dir):
-    env = f"{__name__}:SumsWithCalculator"
+def test_a_trl_style_environments_tools_are_called_and_their_results_reach_the_model(tmp_path, model_dir):
+    """TRL's environment_factory contract, unchanged: the model's tool calls (few-shot prompted, sampled as the
+    model wrote them) run the environment's `add`, its result is in the next turn's prompt as masked tokens,
+    and the reward (get_reward) exists only through what the tool computed."""
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _few_shot_rows(24)))
     store, summary = _run(
         tmp_path,
         model_dir,
-        *("--rollout.environment", env, "--rollout.max-turns", "3", "--rollout.max-tool-calls", "2"),
-        *("--rollout.reward-funcs", "rollout_worker.rewards:exact_match"),
+        *("--rollout.environment", f"{__name__}:SumsWithCalculator", "--rollout.dataset", str(data)),
+        *("--rollout.max-turns", "2", "--rollout.max-tool-calls", "1", "--rollout.tool-call-format", "auto"),
+        completion_length=40,  # a call is about 30 tokens: set here, not left to the task's default
     )
     samples = _check_episodes(store, summary)
-    assert summary["tool_calls_mean"] >= 0.0
-    # the reward is the answer's (exact_match) plus the environment's get_reward
-    assert {round(s.reward, 3) for _, s in samples} <= {0.0, 0.1, 1.0, 1.1}, {s.reward for _, s in samples}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    called = []
+    for g, s in samples:
+        a, b = (int(x) for x in re.findall(r"\d+", g.prompt)[-2:])
+        first = tok.decode(s.completion_ids[s.turns[0].start : s.turns[0].end], skip_special_tokens=True)
+        computed = _computed(first) if s.tool_calls else None
+        # the environment's reward is 1 exactly when a call computed the sum: it follows the tool's result
+        assert s.reward == (1.0 if computed == a + b else 0.0), (first, s.reward)
+        if s.tool_calls == 0:
+            continue
+        assert len(s.turns) == 2, (first, s.turns)
+        gap = range(s.turns[0].end, s.turns[1].start)
+        assert all(s.loss_mask[i] == 0 for i in gap), s.loss_mask  # the tool's message is context, never trained
+        shown = tok.decode([s.completion_ids[i] for i in gap])
+        # what the model's next turn saw: the tool's result, or the error its call raised (the model is told)
+        assert (f"tool\n{computed}<|im_end|>" if computed is not None else "tool\n{'error': ") in shown, shown
+        called.append(computed == a + b)
+    assert len(called) >= 2 and any(called), f"{len(called)} episodes called the tool in {len(samples)}"
+    assert summary["tool_calls_mean"] == pytest.approx(sum(s.tool_calls for _, s in samples) / len(samples)), summary
 
 
 def test_a_reasoning_gym_task_trains_and_its_held_out_set_is_evaluated(tmp_path, model_dir):
