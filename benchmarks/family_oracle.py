@@ -188,12 +188,20 @@ def oracle(family: str, vocab: int, seed: int = 0) -> dict[str, Any]:
     (ref_logp * w).sum().backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
 
+    # the trainer's model on one whole sequence without a packed row (how trainer/canary.py computes the canary
+    # the served-policy probe compares with vLLM): the same logits as the oracle's
+    with torch.no_grad():
+        ids = torch.tensor([groups[0][0] + groups[0][1][0]])
+        unpacked = model(input_ids=ids, use_cache=False).logits.log_softmax(-1)
+        unpacked_ref = ref(input_ids=ids, use_cache=False).logits.log_softmax(-1)
+
     flat = torch.cat([grads[n].flatten() for n in sorted(grads)])
     ref_flat = torch.cat([ref_grads[n].flatten() for n in sorted(ref_grads)])
     targets = sorted({n.split(".")[-4] for n in grads if ".lora_A." in n})  # ...q_proj.lora_A.default.weight
     return {
         "max_logprob_diff": float((logp - ref_logp).abs().max().detach()),
         "max_grad_diff": float((flat - ref_flat).abs().max()),
+        "max_unpacked_diff": float((unpacked - unpacked_ref).abs().max()),
         "grad_scale": float(ref_flat.abs().max()),
         "grad_cosine": float(torch.nn.functional.cosine_similarity(flat, ref_flat, dim=0)),
         "lora_targets": targets,

@@ -386,7 +386,13 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     `packing` (a forward kwarg, from row_attention) is a flex BlockMask or VARLEN on the GPU, the row's block list
     on the CPU; without it, plain causal sdpa (an unpacked batch without padding).
     """
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if packing is None:
+        # no mask is built for this attention (transformers builds none for a custom one), so a window or a softcap
+        # must be applied here: the canary (trainer/canary.py) runs whole sequences this way
+        if attention_mask is None and (softcap or exact.window_applies(0, query.shape[2], window)):
+            out = exact.attend_block(query, key, value, 0, scaling, window, softcap)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     if isinstance(packing, str):
         return tree_attention.tree_attention(query, key, value, scaling), None
@@ -394,7 +400,6 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         kw = {"block_mask": packing, "scale": scaling, "enable_gqa": True, "kernel_options": FLEX_KERNEL_OPTIONS}
         out = _flex()(query, key, value, **kw)
     else:
-        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         out = attend_blocks(query, key, value, packing, scaling, window, softcap)
     return out.transpose(1, 2).contiguous(), None
 

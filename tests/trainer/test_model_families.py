@@ -36,6 +36,7 @@ def test_packed_logprobs_and_lora_gradients_match_transformers_eager(family, voc
     # fp32 tolerance for log-probs of magnitude ~10 and sums over a few hundred terms; a dropped window or
     # softcap is off by more than 1 nat and turns the gradient's cosine to 0.96 or less
     assert result["max_logprob_diff"] < 1e-4, result
+    assert result["max_unpacked_diff"] < 1e-4, result  # the canary's whole-sequence forward
     assert result["max_grad_diff"] < 1e-3 * max(1.0, result["grad_scale"]), result
     assert result["grad_cosine"] > 0.99999, result
     assert sorted(result["lora_targets"]) == sorted(FAMILIES[family]["targets"]), result
