@@ -17,7 +17,7 @@ from replica.vllm_version import check_version, missing_features
 
 
 def test_versions_before_the_minimum_are_refused_naming_the_version_needed():
-    # 0.11.0 lacks --max-lora-rank 1 (the default rank's cap), 0.31 the release brigade is tested against
+    # 0.11.0 lacks --max-lora-rank 1 (the default rank's cap); all are older than 0.32, what brigade is tested on
     for old in ("0.11.0", "0.12.0", "0.31.9", "0.32.0rc1.dev5"):
         problem = check_version(old, "the installed vllm")
         assert problem and f"vLLM {old}" in problem and f">= {vllm_version.MIN_VLLM}" in problem, (old, problem)
