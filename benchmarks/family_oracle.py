@@ -205,6 +205,6 @@ def oracle(family: str, vocab: int, seed: int = 0) -> dict[str, Any]:
         "grad_scale": float(ref_flat.abs().max()),
         "grad_cosine": float(torch.nn.functional.cosine_similarity(flat, ref_flat, dim=0)),
         "lora_targets": targets,
-        "fused_paths": fused_paths(model.get_base_model().config, "cuda"),
+        "fused_paths": {d: fused_paths(model.get_base_model().config, d) for d in ("cpu", "cuda")},
         "tokens": int(logp.numel()),
     }

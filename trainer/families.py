@@ -124,24 +124,29 @@ def attention_quirks(config: Any) -> dict[str, Any]:
     window = getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", True) is False:  # Qwen2/3 configs carry a window they do not use
         window = None
+    if window and window >= (getattr(config, "max_position_embeddings", None) or window + 1):
+        window = None  # no sequence the model takes reaches past it
     return {"softcap": getattr(config, "attn_logit_softcapping", None), "sliding_window": window}
 
 
-def fused_paths(config: Any, device_type: str) -> list[str]:
-    """The fused paths this family's model takes on `device_type` (transformers config object), for reports:
-    swiglu (trainer/kernels/swiglu_lora.py, on a compiled GPU step), qkv (its concatenated projections, when
-    enabled), logprob_head (the chunked or full-vocabulary log-softmax without materialised logits), and the
-    packed attention kernel."""
+def fused_paths(config: Any, device_type: str, concat: bool = False) -> list[str]:
+    """The fused paths the trainer takes for this family (a transformers config object) on `device_type`, for
+    reports: `swiglu` (trainer/kernels/swiglu_lora.py, compiled GPU steps of a SiLU-gated MLP with separate gate and
+    up projections), `qkv` (concatenated q/k/v products, with `concat`: trainer/model.py CONCAT_PROJECTIONS), and
+    `logprob_head` (the log-softmax without materialised logits: no final-logit softcap, no head bias); then the
+    packed attention: `exact_blocks` (per block, for a sliding window or a score softcap, uncompiled on a GPU),
+    else `sdpa` per block on a CPU and `varlen|flex` on a GPU."""
     quirks = attention_quirks(config)
+    exact = bool(quirks["softcap"] or quirks["sliding_window"])
+    gpu_compiled = device_type == "cuda" and not exact
+    separate = config.model_type not in PACKED_LINEARS
     out = []
-    if device_type == "cuda" and getattr(config, "hidden_act", None) == "silu" and config.model_type != "phi3":
+    if gpu_compiled and getattr(config, "hidden_act", None) == "silu" and separate:
         out.append("swiglu")
-    if config.model_type in FUSED_QKV_FAMILIES:
+    if gpu_compiled and concat and config.model_type in FUSED_QKV_FAMILIES:
         out.append("qkv")
     if not getattr(config, "final_logit_softcapping", None):
         out.append("logprob_head")
-    exact = quirks["softcap"] or quirks["sliding_window"]
-    out.append(
-        "attention:exact_blocks" if exact else "attention:" + ("varlen|flex" if device_type == "cuda" else "sdpa")
-    )
+    fast = "varlen|flex" if device_type == "cuda" else "sdpa"
+    out.append("attention:" + ("exact_blocks" if exact else fast))
     return out
