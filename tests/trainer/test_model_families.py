@@ -54,6 +54,8 @@ def test_plan_counts_the_lora_the_trainer_trains(family, vocab):
     model = wrap_lora(base, RunSpec())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert arch.lora_parameters(1, ["all-linear"]) == trainable
+    # the family's own module names, one at a time, are what the plan takes (Phi-3's qkv_proj, gate_up_proj)
+    assert sum(arch.lora_parameters(1, [t]) for t in FAMILIES[family]["targets"]) == trainable
 
 
 @pytest.mark.parametrize("name", list(REFUSED_CONFIGS))
