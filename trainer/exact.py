@@ -1,4 +1,5 @@
-"""The general path of a packed row, exact for what the fused paths assume away (trainer/families.py).
+"""A packed row's attention on the block list (every CPU row, and any row of a model with a sliding window or a
+softcap), and the general path, exact for what the fused paths assume away (trainer/families.py):
 
 - Attention with a sliding window (Mistral, Gemma-2/3) or a logit softcap (Gemma-2): one block at a time, as
   packing's per-block sdpa, with the window read from position ids (a completion's positions continue its
@@ -88,3 +89,32 @@ def head_logprobs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(logps), torch.cat(entropies)
+
+
+def attend_blocks(
+    q, k, v, blocks: list[tuple[int, int, int, int]], scale: float | None, sliding_window=None, softcap=None
+) -> torch.Tensor:
+    """A packed row's attention as one sdpa call per block (CPU): q [1, Hq, T, D], k/v [1, Hkv, T, D]. A block
+    that reaches past a sliding window, or any block under a score softcap, goes through attend_block."""
+    # split (not sliced) along the row: the backward of a split is one cat, where every slice's would be a
+    # zero-filled copy of the whole row
+    sizes = [end - start for start, end, _, _ in blocks]
+    qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+    first = {start: i for i, (start, _, _, _) in enumerate(blocks)}
+    out = []
+    for i, (start, end, p_start, p_end) in enumerate(blocks):
+        kk, vv = ks[i], vs[i]
+        if p_end > p_start:
+            j = first[p_start]  # the prompt block
+            kk, vv = torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2)
+        if softcap or window_applies(p_end - p_start, end - start, sliding_window):
+            out.append(attend_block(qs[i], kk, vv, p_end - p_start, scale, sliding_window, softcap))
+        elif p_end > p_start:
+            # the whole prompt, then causal within the block
+            mask = torch.ones(end - start, kk.shape[2], dtype=torch.bool, device=q.device).tril(p_end - p_start)
+            out.append(F.scaled_dot_product_attention(qs[i], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True))
+        else:
+            out.append(
+                F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scale, enable_gqa=True)
+            )
+    return torch.cat(out, dim=2)

@@ -28,13 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trl.kernels import ChunkedLogProbFunction
 
 from trainer import exact
+from trainer.exact import attend_blocks
 from trainer.families import attention_quirks
 from trainer.host_arrays import host_array, repeat, to_tensor
 from trainer.kernels import tree_attention
@@ -299,35 +299,6 @@ def block_mask(mb: MicroBatch) -> BlockMask:
     block.copy_(mb.block)
     prefix.copy_(mb.prefix)
     return create_block_mask(mask_mod, None, None, t, t, device=device, BLOCK_SIZE=FLEX_BLOCK)
-
-
-def attend_blocks(
-    q, k, v, blocks: list[tuple[int, int, int, int]], scale: float | None, sliding_window=None, softcap=None
-) -> torch.Tensor:
-    """A packed row's attention as one sdpa call per block (CPU): q [1, Hq, T, D], k/v [1, Hkv, T, D]. A block
-    that reaches past a sliding window, or any block under a score softcap, goes through exact.attend_block."""
-    # split (not sliced) along the row: the backward of a split is one cat, where every slice's would be a
-    # zero-filled copy of the whole row
-    sizes = [end - start for start, end, _, _ in blocks]
-    qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
-    first = {start: i for i, (start, _, _, _) in enumerate(blocks)}
-    out = []
-    for i, (start, end, p_start, p_end) in enumerate(blocks):
-        kk, vv = ks[i], vs[i]
-        if p_end > p_start:
-            j = first[p_start]  # the prompt block
-            kk, vv = torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2)
-        if softcap or exact.window_applies(p_end - p_start, end - start, sliding_window):
-            out.append(exact.attend_block(qs[i], kk, vv, p_end - p_start, scale, sliding_window, softcap))
-        elif p_end > p_start:
-            # the whole prompt, then causal within the block
-            mask = torch.ones(end - start, kk.shape[2], dtype=torch.bool, device=q.device).tril(p_end - p_start)
-            out.append(F.scaled_dot_product_attention(qs[i], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True))
-        else:
-            out.append(
-                F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, scale=scale, enable_gqa=True)
-            )
-    return torch.cat(out, dim=2)
 
 
 # The GPU's attention kernel for packed rows: "varlen" (one variable-length FlashAttention call,

@@ -15,7 +15,7 @@ On a Hopper card with flash-attn-4 installed, its kernels run instead of torch's
 
 The row's layout is set once per row (`set_row`, before its forward; its backward reads the same) and read by
 every layer, as flex's block mask is built once per row. On a CPU the same ops compute the attention sequence by
-sequence (tests check the layout there; the trainer's CPU path is trainer/packing.py's attend_blocks).
+sequence (tests check the layout there; the trainer's CPU path is trainer/exact.py's attend_blocks).
 """
 
 from __future__ import annotations
