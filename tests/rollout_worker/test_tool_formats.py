@@ -218,7 +218,7 @@ class Adder:
 
 
 def test_a_call_cut_at_the_token_limit_is_counted_and_said_not_silent(vllm_replicas, tmp_path):
-    """Real replicas, greedy: the model copies the call it is shown, but 6 tokens cannot hold it. The episode
+    """Real replicas, greedy: the model copies the calls it is shown, but 8 tokens cannot hold one. The episode
     ends with the reason, the group counts it (the worker's metric reads the count) and emits an event."""
     from bucket import events
     from bucket.rollouts import SamplingParams
@@ -234,8 +234,17 @@ def test_a_call_cut_at_the_token_limit_is_counted_and_said_not_silent(vllm_repli
     run_store.check_reachable(create=True)
     ev = QueuedEvents(run_store, "rollout", writer="tool-format-events")
     greedy = SamplingParams(temperature=0.0)
-    limits = Limits(max_turns=2, max_tool_calls=2, max_episode_tokens=400, max_completion_length=6, timeout_s=5.0)
-    prompt = 'Copy this line exactly: <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    limits = Limits(max_turns=2, max_tool_calls=2, max_episode_tokens=400, max_completion_length=8, timeout_s=5.0)
+    call = '<tool_call>{{"name": "add", "arguments": {{"a": {}, "b": {}}}}}</tool_call>'
+    prompt = []
+    for a, b in ((3, 4), (12, 30)):  # two worked exchanges, which the model copies (greedy: a call for 2 + 3)
+        prompt += [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": call.format(a, b)},
+            {"role": "tool", "content": str(a + b)},
+            {"role": "assistant", "content": str(a + b)},
+        ]
+    prompt.append({"role": "user", "content": "What is 2 + 3?"})
 
     async def body():
         async with proxied(store, manifest) as (_, client):

@@ -14,6 +14,7 @@ names the format in the same words.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -69,16 +70,18 @@ class FormatChooser:
     def __init__(self, setting: str, generator: Any, renderer: Any):
         self.setting, self.gen, self.renderer = setting, generator, renderer
         self.chosen: str | None = None if setting == "auto" else setting
+        self._lock = asyncio.Lock()  # a group's episodes start together: one probe, the others wait for it
 
     async def format(self) -> str:
-        if self.chosen is None:
-            found = await self._probe()
-            self.chosen = found or DEFAULT
-            how = "as the chat template renders a call" if found else "the template renders no tool call: default"
-            log.info(
-                "tool calls are read in the %s format (%s; --rollout.tool-call-format overrides)", self.chosen, how
-            )
-        return self.chosen
+        async with self._lock:
+            if self.chosen is None:
+                found = await self._probe()
+                self.chosen = found or DEFAULT
+                how = "as the chat template renders a call" if found else "the template renders no call: the default"
+                log.info(
+                    "tool calls are read in the %s format (%s; --rollout.tool-call-format sets one)", self.chosen, how
+                )
+        return self.chosen or DEFAULT
 
     async def _probe(self) -> str | None:
         for messages in (probe_messages(), [{"role": "user", "content": "Call the probe."}]):
