@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rollout_worker.config import RolloutConfig
 from rollout_worker.environments.tool_calls import with_tool_instructions
 from rollout_worker.lengths import kind
 
@@ -122,7 +123,7 @@ def round_up(n: int, step: int = 64) -> int:
 
 
 def check_lengths(
-    settings: Any,
+    settings: RolloutConfig,
     train: Any,
     eval_rows: Any,
     tokens: Tokens,
@@ -155,7 +156,7 @@ def check_lengths(
 
 
 def _check_episodes(
-    settings: Any, rows: list[dict[str, Any]], tokens: Tokens, tools: list[dict[str, Any]], out: LengthCheck
+    settings: RolloutConfig, rows: list[dict[str, Any]], tokens: Tokens, tools: list[dict[str, Any]], out: LengthCheck
 ) -> None:
     template_tools = bool(tools) and _renders_tools(tokens, tools)
     out.longest_prompt = max((_episode_prompt(tokens, r["prompt"], tools, template_tools) for r in rows), default=0)

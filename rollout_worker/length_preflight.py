@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from bucket.config import ConfigError
+from rollout_worker.config import RolloutConfig
 from rollout_worker.environments.contract import TOOLS, EnvError, describe, import_factory
 from rollout_worker.environments.host import EnvProcess
 from rollout_worker.environments.libraries import is_library
@@ -47,13 +48,11 @@ async def environment_tools(spec: str, timeout_s: float, passed_env: Sequence[st
     return list(info["tools"]) if info.get("kind") == TOOLS else None
 
 
-async def tools_or_warn(settings: Any) -> list[dict[str, Any]] | None:
+async def tools_or_warn(settings: RolloutConfig) -> list[dict[str, Any]] | None:
     if not settings.environment:
         return None
     try:
-        return await environment_tools(
-            settings.environment, settings.environment_timeout_s, getattr(settings, "environment_env", ())
-        )
+        return await environment_tools(settings.environment, settings.environment_timeout_s, settings.environment_env)
     except (EnvError, EnvSpecError) as exc:
         log.warning("lengths not checked against the environment's tools: making one failed: %s", exc)
         return None
@@ -94,7 +93,7 @@ class ProxyTokens:
 
 
 async def check_worker_lengths(
-    settings: Any, train: Any, eval_rows: Any, url: str, headers: dict[str, str], base_model: str
+    settings: RolloutConfig, train: Any, eval_rows: Any, url: str, headers: dict[str, str], base_model: str
 ) -> None:
     """The worker's check, before its first group: raises ConfigError when a tool call or answer cannot fit. An
     episode bound not given is first fitted to the replicas' max_model_len (`settings` changes then)."""

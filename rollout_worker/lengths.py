@@ -20,9 +20,12 @@ records its limit (SamplingParams.max_tokens in the shard).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout_worker.datasets.spec import is_reasoning_gym
+
+if TYPE_CHECKING:  # rollout_worker.config imports this module: its validator fills the lengths
+    from rollout_worker.config import RolloutConfig
 
 ARITHMETIC = {"max_completion_length": 16, "eval_max_tokens": 32}
 DATASET = {"max_completion_length": 256}
@@ -49,7 +52,7 @@ def kind(dataset: str, environment: str) -> str:
     return "a reasoning-gym run" if is_reasoning_gym(dataset) else "a dataset run"
 
 
-def fill_lengths(settings: Any) -> None:
+def fill_lengths(settings: RolloutConfig) -> None:
     """Set the profile's lengths on a validated RolloutConfig, for the fields the user did not give.
 
     Written to the model's __dict__, not through setattr: pydantic would count an attribute set so as given,
@@ -70,14 +73,14 @@ def episode_limit(max_turns: int, max_completion_length: int, max_episode_tokens
     return min(max_turns * max_completion_length, max_episode_tokens)
 
 
-def sampled_limit(settings: Any) -> int:
+def sampled_limit(settings: RolloutConfig) -> int:
     """The most tokens one sample of this run can train: what the trainer's dr_grpo divides by by default."""
     if settings.environment:
         return episode_limit(settings.max_turns, settings.max_completion_length, settings.max_episode_tokens)
     return settings.max_completion_length
 
 
-def fit_episodes(settings: Any, max_model_len: int | None) -> str:
+def fit_episodes(settings: RolloutConfig, max_model_len: int | None) -> str:
     """An episode bound the user did not give yields to the replicas' max_model_len (every turn's request holds
     the episode so far, and vLLM refuses one longer than that); a given one is kept (and refused by the length
     check if it cannot fit). Returns a line saying what changed ('' when nothing did)."""
