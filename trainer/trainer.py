@@ -76,6 +76,8 @@ class Trainer:
         if self.device.type == "cuda":  # which attention kernel the rows run with, said once at start
             kernel = attention_kernel(self.device, next(self.model.parameters()).dtype, self.exact_attention)
             varlen = f" ({fa4.kernel_name(self.device)})" if kernel == VARLEN else ""
+            if self.exact_attention:  # docs/models.md
+                varlen = " (exact per block, uncompiled: the model has a sliding window or an attention softcap)"
             log.info("GPU attention: %s%s; token budget %d", kernel, varlen, self.token_budget)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
