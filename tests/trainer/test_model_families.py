@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from benchmarks.family_oracle import FAMILIES, REFUSED_CONFIGS, oracle, tiny_model, write_config
+from benchmarks.trainer.family_oracle import FAMILIES, REFUSED_CONFIGS, oracle, tiny_model, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

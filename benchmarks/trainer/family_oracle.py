@@ -1,6 +1,6 @@
 """The model-family oracle: a tiny random model per family, the trainer's packed log-probs and LoRA gradients against
 transformers' eager forward and backward on each sequence alone (tests/trainer/test_model_families.py and
-benchmarks/model_families.py share it).
+benchmarks/trainer/model_families.py share it).
 
 Each family's config turns on what sets it apart, sized so that it matters on short sequences: a sliding window of
 8 positions under sequences of 14-20 (Mistral, Gemma-2/3), softcaps of 1 and 2 that bend random scores (Gemma-2),
