@@ -53,7 +53,8 @@ import torch
 
 from bucket.rollouts import Sample, ScoredGroup
 from trainer.offpolicy import ratio_masks
-from trainer.packing import Completion, MicroBatch, packed_logprobs
+from trainer.packing import packed_logprobs
+from trainer.rows import Completion, MicroBatch
 
 LossType = Literal["grpo", "dapo", "dr_grpo"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -207,7 +208,7 @@ def token_loss(
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], cfg: LossConfig) -> torch.Tensor:
     """Forward and backward every micro-batch (gradients accumulate); returns the SUMS on the device, unsynced.
 
-    `micro_batches` may be a generator that builds each row as it is needed (see packing.rows)."""
+    `micro_batches` may be a generator that builds each row as it is needed (see rows.rows)."""
     sums = None
     for mb in micro_batches:
         logp, entropy = packed_logprobs(model, mb)

@@ -1,4 +1,4 @@
-"""Typed host arrays for the tensors a packed row is built from (trainer/packing.py, trainer/kernels/tree_attention.py).
+"""Typed host arrays for the tensors a packed row is built from (trainer/rows.py, trainer/kernels/tree_attention.py).
 
 A row's index tensors are built token by token on the host, and the first row of a step is built while the device
 waits. Collected in `array.array` and wrapped without a copy, they take about a quarter of the time of

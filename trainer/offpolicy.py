@@ -45,7 +45,7 @@ def outside(values: torch.Tensor, low: float, high: float) -> torch.Tensor:
 def sequence_geo_ratio(log_ratio: torch.Tensor, sequence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's geometric-mean ratio exp(mean log r) and its trained-token count, indexed by sequence.
 
-    `sequence` [N] numbers a row's completions from 0 (trainer/packing.py). The outputs have N entries (a row
+    `sequence` [N] numbers a row's completions from 0 (trainer/rows.py). The outputs have N entries (a row
     has at most N sequences) so that nothing waits on the device to learn how many; unused ones count 0."""
     n = log_ratio.numel()
     total = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, log_ratio)

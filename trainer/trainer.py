@@ -38,17 +38,8 @@ from trainer.model import (
     load_optimizer,
     optimizer_bytes,
 )
-from trainer.packing import (
-    FLEX_BLOCK,
-    VARLEN,
-    attention_kernel,
-    build,
-    causal_lm,
-    needs_exact_attention,
-    row_quantum,
-    row_tokens,
-    rows,
-)
+from trainer.packing import VARLEN, attention_kernel, causal_lm, needs_exact_attention
+from trainer.rows import FLEX_BLOCK, build, row_quantum, row_tokens, rows
 from trainer.schedule import lr_at
 from trainer.stopping import StopRequest, hold_publish
 

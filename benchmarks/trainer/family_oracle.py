@@ -160,7 +160,8 @@ def oracle(family: str, vocab: int, seed: int = 0) -> dict[str, Any]:
     import torch
 
     from trainer.families import fused_paths
-    from trainer.packing import Completion, pack, packed_logprobs
+    from trainer.packing import packed_logprobs
+    from trainer.rows import Completion, pack
 
     groups = _sequences(vocab, seed)
     weights = torch.Generator().manual_seed(seed + 1)

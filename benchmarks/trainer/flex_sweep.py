@@ -3,7 +3,7 @@ each option set, beside flex's defaults (issue 32: its backward is 11-16 % of th
 
     python -m benchmarks.trainer.flex_sweep --json [--shape qwen2.5-1.5b] [--token-budget 16384]
 
-The row is the trainer's: the first row trainer/packing.py builds from a long-tail step (benchmarks/trainer/shapes
+The row is the trainer's: the first row trainer/rows.py builds from a long-tail step (benchmarks/trainer/shapes
 make_groups), its block mask as the trainer makes it. An option set flex rejects is reported with its error.
 The set "varlen" is not flex but the trainer's other GPU kernel, one variable-length FlashAttention call
 (trainer/kernels/tree_attention.py), timed and compared the same way. Differences are over the row's real
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.grpo import LossConfig, advantages, completions
     from trainer.kernels import tree_attention
-    from trainer.packing import block_mask, build, row_quantum, rows
+    from trainer.packing import block_mask
+    from trainer.rows import build, row_quantum, rows
 
     _, shape = SHAPES[args.shape]
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]

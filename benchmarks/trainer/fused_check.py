@@ -31,7 +31,8 @@ def run_path(args, liger: str, compile_: bool, fused_mlp: bool = False, candidat
     from bucket.manifest import RunSpec
     from trainer.grpo import LossConfig, accumulate, advantages, completions
     from trainer.model import compile_layers, fuse_lora_mlps, wrap_lora
-    from trainer.packing import PACKED_ATTENTION, build, row_quantum, rows, set_matmul_dtype
+    from trainer.packing import PACKED_ATTENTION, set_matmul_dtype
+    from trainer.rows import build, row_quantum, rows
 
     family, shape = SHAPES[args.shape]
     config_cls, model_cls = model_classes(family)

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import TrainerConfig
     from trainer.grpo import LossConfig, accumulate, advantages, completions
     from trainer.model import compile_layers, wrap_lora
-    from trainer.packing import PACKED_ATTENTION, build, row_quantum, rows, set_matmul_dtype
+    from trainer.packing import PACKED_ATTENTION, set_matmul_dtype
+    from trainer.rows import build, row_quantum, rows
 
     t_start = time.perf_counter()
     torch.manual_seed(0)

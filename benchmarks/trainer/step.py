@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile each decoder layer (rows padded to packing.row_quantum); default: the trainer's "
+        help="torch.compile each decoder layer (rows padded to rows.row_quantum); default: the trainer's "
         "(on for a GPU, off on CPU)",
     )
     p.add_argument(
@@ -156,16 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         use_rank1_lora,
         wrap_lora,
     )
-    from trainer.packing import (
-        FLEX_BLOCK,
-        PACKED_ATTENTION,
-        attention_kernel,
-        build,
-        row_quantum,
-        row_tokens,
-        rows,
-        set_matmul_dtype,
-    )
+    from trainer.packing import PACKED_ATTENTION, attention_kernel, set_matmul_dtype
+    from trainer.rows import FLEX_BLOCK, build, row_quantum, row_tokens, rows
 
     if args.threads:
         torch.set_num_threads(args.threads)

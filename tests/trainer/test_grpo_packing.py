@@ -23,7 +23,8 @@ from bucket.manifest import RunSpec
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
 from trainer.model import Rank1LoraLinear, use_rank1_lora, wrap_lora
-from trainer.packing import PACKED_ATTENTION, Completion, FullVocabLogProbs, pack, row_tokens, rows
+from trainer.packing import PACKED_ATTENTION, FullVocabLogProbs
+from trainer.rows import Completion, pack, row_tokens, rows
 
 VOCAB = 97
 SMALL = dict(

@@ -22,7 +22,7 @@ from bucket.store import Store
 from tests.trainer.test_grpo_packing import VOCAB, _grads, _model
 from trainer.buffer import RolloutBuffer
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
-from trainer.packing import pack
+from trainer.rows import pack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,7 @@ from tests.trainer.test_loss_mask import _groups
 from trainer.config import TrainerConfig
 from trainer.grpo import LossConfig, accumulate, advantages, completions, metrics, token_loss
 from trainer.offpolicy import sequence_geo_ratio
-from trainer.packing import pack
+from trainer.rows import pack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

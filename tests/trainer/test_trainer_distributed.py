@@ -21,7 +21,7 @@ from bucket.rollouts import GroupId  # noqa: E402
 from tests.helpers import REPO_ROOT, free_port, host_timeout  # noqa: E402
 from tests.trainer.test_grpo_packing import _groups, _model  # noqa: E402
 from trainer.grpo import LossConfig, accumulate, advantages, completions  # noqa: E402
-from trainer.packing import pack  # noqa: E402
+from trainer.rows import pack  # noqa: E402
 
 BUDGET = 24  # several micro-batches, so that each rank gets some
 

@@ -28,7 +28,8 @@ import torch
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup
 from trainer.grpo import LossConfig, completions
 from trainer.model import adapter_files, build_model, load_adapter_weights
-from trainer.packing import pack, packed_logprobs
+from trainer.packing import packed_logprobs
+from trainer.rows import pack
 
 TEMPERATURE = 0.7  # the rollout worker's default
 PROMPTS = [

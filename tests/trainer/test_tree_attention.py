@@ -16,11 +16,13 @@ import pytest
 import torch
 
 import trainer.packing as P
+import trainer.rows as R
 from tests.trainer.conftest import lora_model
 from trainer.grpo import LossConfig, accumulate
 from trainer.kernels.tree_attention import set_row, tree_attention, varlen_row
 from trainer.model import compile_layers
-from trainer.packing import Completion, attend_blocks, pack
+from trainer.packing import attend_blocks
+from trainer.rows import Completion, pack
 
 
 def _row(pad_to: int):
@@ -110,9 +112,9 @@ def test_compiled_layers_train_through_the_varlen_ops_as_through_the_cpu_path(mo
                 return P.VARLEN
 
             monkeypatch.setattr(P, "row_attention", row_attention)
-        rows = P.rows(groups, 40)
+        rows = R.rows(groups, 40)
         assert len(rows) >= 2  # more than one layout through the same compiled layers
-        sums = accumulate(model, (P.build(units, 16) for units in rows), LossConfig())
+        sums = accumulate(model, (R.build(units, 16) for units in rows), LossConfig())
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         monkeypatch.undo()
         return float(sums[1]), grads

@@ -1,6 +1,6 @@
 """A packed row's tree attention as one variable-length FlashAttention call (GPU).
 
-A packed row (trainer/packing.py) is a list of blocks: a prompt, then each of its completions, which sees the whole
+A packed row (trainer/rows.py) is a list of blocks: a prompt, then each of its completions, which sees the whole
 prompt and itself causally. Give every block its own sequence of queries, and as keys its prompt followed by
 itself: FlashAttention's causal mask aligns a sequence's last query with its last key (bottom-right), so a
 completion's i-th query sees the whole prompt and its own first i + 1 tokens, which is the tree mask exactly, and
