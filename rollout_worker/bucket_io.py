@@ -5,7 +5,7 @@ call on it (an S3 PUT takes tens of milliseconds, a retried one seconds)
 would stall every generation in flight and delay noticing a new adapter.
 Events are therefore appended by one background thread, in the order they
 were emitted; shards and the data cursor are written through
-`asyncio.to_thread` by the loop itself (rollout_worker/main.py).
+`asyncio.to_thread` by the loop itself (rollout_worker/worker.py).
 """
 
 from __future__ import annotations

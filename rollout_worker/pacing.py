@@ -24,7 +24,7 @@ yet written and in flight). With several rollout workers, each takes an equal sh
 per version (the trainer reads the same number of shards from each): a worker slower than the others then
 paces more tightly than it needs, never more loosely.
 
-Pure functions: the worker's loop (rollout_worker/main.py) and benchmarks/system/long_tail.py call the same code.
+Pure functions: the worker's loop (rollout_worker/worker.py) and benchmarks/system/long_tail.py call the same code.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup, read_shards
 from bucket.store import Store
 from rollout_worker.config import RolloutConfig
-from rollout_worker.main import Worker
+from rollout_worker.worker import Worker
 
 
 def _group(prompt_id: str) -> ScoredGroup:

@@ -20,10 +20,10 @@ from rollout_worker.config import REASONING_GYM_REWARD, RolloutConfig
 from rollout_worker.datasets import entry_codec
 from rollout_worker.datasets.extraction import extract
 from rollout_worker.datasets.reasoning_gym import EVAL_SEED_OFFSET, _seed, train_dataset
-from rollout_worker.main import as_completion
 from rollout_worker.prompts import load_data, prompt_key
 from rollout_worker.rewards import Scorer
 from rollout_worker.sampler import PromptSampler
+from rollout_worker.worker import as_completion
 
 ONE_DIGIT = "min_terms=2,max_terms=2,min_digits=1,max_digits=1"
 CHAIN_SUM = f"reasoning-gym:chain_sum:{ONE_DIGIT},extract=number,size=300"

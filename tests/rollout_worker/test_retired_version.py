@@ -18,8 +18,8 @@ from bucket.rollouts import SamplingParams
 from bucket.version import Version
 from rollout_worker.generation import AdapterRetired, GenerationFailed, Generator
 from rollout_worker.live_adapter import LiveAdapter
-from rollout_worker.main import Worker
 from rollout_worker.rewards import Scored
+from rollout_worker.worker import Worker
 
 MANIFEST = RunManifest(**RunSpec(num_generations=2).model_dump(), run_id="r", created_at=0.0)
 RETIRED_BODY = {
