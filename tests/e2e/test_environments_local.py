@@ -67,12 +67,18 @@ def _computed(reply: str):
         return None
 
 
-def _few_shot_rows(n: int) -> list[dict]:
+# Sums for which the few-shot prompt below makes SmolLM2-135M start a call with probability 0.8 or more at
+# temperature 0.7 (its first token, measured over 60 random sums: 0.19 to 0.92, depending on the numbers asked).
+CALLED_SUMS = [(32, 36), (32, 33), (32, 49), (32, 2), (9, 37), (3, 31), (36, 42), (34, 15), (33, 28), (33, 7)]
+CALLED_SUMS += [(34, 26), (33, 43), (44, 48), (39, 49), (30, 19), (31, 3), (38, 26), (24, 36), (35, 1)]
+
+
+def _few_shot_rows() -> list[dict]:
     """Chat prompts that show two solved sums (a call, its result, the answer) before the question.
 
     SmolLM2-135M was never trained to call tools; shown the worker's own instructions and two worked exchanges
-    in the format they name, it copies the call for most sums (about 70 % of sampled replies, measured with
-    temperature 0.7) and answers others directly. Its replies are sampled as they are: the call is the model's.
+    in the format they name, it copies the call for these sums in most sampled replies and answers directly in
+    the others. Its replies are sampled as they are: every call is the model's.
     """
     shots = []
     for a, b in ((3, 4), (12, 30)):
@@ -82,13 +88,11 @@ def _few_shot_rows(n: int) -> list[dict]:
             {"role": "tool", "content": str(a + b)},
             {"role": "assistant", "content": str(a + b)},
         ]
-    rows = []
-    for i in range(n):
-        a, b = 5 + (i * 7) % 40, 9 + (i * 11) % 37
-        system = {"role": "system", "content": "You are a calculator. Use the add tool for every sum."}
-        question = {"role": "user", "content": f"What is {a} + {b}?"}
-        rows.append({"prompt": [system, *shots, question], "answer": a + b})
-    return rows
+    system = {"role": "system", "content": "You are a calculator. Use the add tool for every sum."}
+    return [
+        {"prompt": [system, *shots, {"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b}
+        for a, b in CALLED_SUMS
+    ]
 
 
 def _run(tmp_path, model_dir, *flags: str, completion_length: int = 12) -> tuple[Store, dict]:
@@ -163,7 +167,7 @@ def test_a_trl_style_environments_tools_are_called_and_their_results_reach_the_m
     from transformers import AutoTokenizer
 
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _few_shot_rows(24)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in _few_shot_rows()))
     store, summary = _run(
         tmp_path,
         model_dir,
