@@ -90,10 +90,13 @@ def final_evaluation(summary: dict[str, Any]) -> str | None:
 def episode_figures(shards: Sequence[ShardRead], evs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """An environment run's episodes (--rollout.environment), from its shards and env_failed events; {} for a
     single-turn run. `episodes` counts the episodes written (one sample each, `turns` set); an episode whose
-    environment failed is not written, and is counted in `env_errors` instead."""
+    environment failed is not written, and is counted in `env_errors` instead. `tool_calls_unparsed` counts the
+    replies that looked like a tool call in the run's format but gave none (tool_call_unparsed events), with the
+    first one's reason: a model writing calls in another format than the one chosen shows here, not as silence."""
     eps = [(g, s) for read in shards for _, g in read.groups() for s in g.samples if s.is_episode]
     errors = sum(1 for e in evs if e["kind"] == events.ENV_FAILED)
-    if not eps and not errors:
+    unparsed = [e for e in evs if e["kind"] == events.TOOL_CALL_UNPARSED]
+    if not eps and not errors and not unparsed:
         return {}
 
     def mean(xs: list[float]) -> float | None:
@@ -104,6 +107,10 @@ def episode_figures(shards: Sequence[ShardRead], evs: Sequence[dict[str, Any]]) 
         "turns_mean": mean([len(s.turns or []) for _, s in eps]),
         "tool_calls_mean": mean([s.tool_calls for _, s in eps]),
         "env_errors": errors,
+        "tool_calls_unparsed": len(unparsed),
+        "tool_call_unparsed_example": f"{unparsed[0].get('format', '')}: {unparsed[0].get('reason', '')}"
+        if unparsed
+        else "",
         # the whole stream: the group's prompt and the sample's tokens after it (replies, template, tools)
         "episode_tokens_mean": mean([len(g.prompt_ids) + len(s.completion_ids) for g, s in eps]),
     }
@@ -255,11 +262,18 @@ def episode_lines(summary: dict[str, Any]) -> list[str]:
     def f(x: Any) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    return [
+    lines = [
         f"episodes              {summary['episodes']} written, {summary['env_errors']} ended by an environment "
         f"error; per episode: {f(summary['turns_mean'])} turns, {f(summary['tool_calls_mean'])} tool calls, "
         f"{f(summary['episode_tokens_mean'])} tokens"
     ]
+    if summary.get("tool_calls_unparsed"):
+        lines.append(
+            f"tool calls unparsed   {summary['tool_calls_unparsed']} replies looked like a tool call but gave none "
+            f"(first: {summary['tool_call_unparsed_example'][:200]}); if the model writes another format, set "
+            "--rollout.tool-call-format"
+        )
+    return lines
 
 
 def evaluation_notes(summary: dict[str, Any]) -> list[str]:
