@@ -141,6 +141,26 @@ def brigade_local(bucket: str, model_dir: str, *flags: str) -> list[str]:
     return [*head, "--trainer.model-path", model_dir, "--replica.model-path", model_dir, *flags]
 
 
+def run_local_on_free_ports(bucket: str, model_dir: str, *flags: str, wall_s: float) -> subprocess.CompletedProcess:
+    """`brigade local` on `bucket` with one replica, every port it listens on free (its proxy's, its replicas',
+    its jobs' /metrics), cut at `wall_s` (scaled for this host), then `flags`; asserts it exited 0."""
+    from infra.s3server import listen_ports
+
+    proxy_port = free_port()
+    cmd = brigade_local(
+        bucket,
+        model_dir,
+        *("--local.num-replicas", "1", "--proxy.port", str(proxy_port)),
+        *("--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}", "--local.base-port", str(listen_ports(2))),
+        *("--trainer.metrics-port", str(free_port()), "--rollout.metrics-port", str(free_port())),
+        *("--local.max-wall-s", str(host_timeout(wall_s))),
+        *flags,
+    )
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=host_timeout(wall_s + 300))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
 def make_adapter_files(model_dir: str, out_dir: str, seed: int = 0) -> dict[str, bytes]:
     """A real rank-1 peft adapter on the model, with B non-zero so that it changes what the model says."""
     import torch

@@ -9,34 +9,27 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 from bucket import checkpoints, events
 from bucket.rollouts import read_shards
 from bucket.store import Store
-from infra.s3server import listen_ports
 from rollout_worker.prompts import load_data
-from tests.helpers import REPO_ROOT, brigade_local, free_port, host_timeout
+from tests.helpers import run_local_on_free_ports
 
 EVAL_SIZE = 2
 
 
 def _run(tmp_path, model_dir, *flags: str) -> tuple[Store, dict, list]:
     bucket = tmp_path / "bucket"
-    proxy_port = free_port()
-    cmd = brigade_local(
+    run_local_on_free_ports(
         str(bucket),
         model_dir,
-        *("--local.num-replicas", "1", "--run.num-generations", "2", "--trainer.max-steps", "2"),
+        *("--run.num-generations", "2", "--trainer.max-steps", "2"),
         *("--trainer.groups-per-step", "1", "--rollout.groups-per-shard", "1", "--rollout.max-inflight-groups", "2"),
         *("--rollout.max-turns", "2", "--rollout.max-completion-length", "10"),
-        *("--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}"),
-        *("--local.base-port", str(listen_ports(2)), "--trainer.metrics-port", str(free_port())),
-        *("--rollout.metrics-port", str(free_port()), "--local.max-wall-s", str(host_timeout(600))),
         *flags,
+        wall_s=600,
     )
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=host_timeout(900))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     store = Store(str(bucket))
     state = checkpoints.load_latest(store)
     assert state is not None and state.step == 2, state  # two optimizer steps on the library's episodes

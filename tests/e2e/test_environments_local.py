@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
 
 from bucket import checkpoints, events
 from bucket.rollouts import read_shards
 from bucket.store import Store
-from infra.s3server import listen_ports
-from tests.helpers import REPO_ROOT, brigade_local, free_port, host_timeout
+from tests.helpers import run_local_on_free_ports
 
 EVAL_SIZE = 6
 
@@ -97,20 +95,15 @@ def _few_shot_rows() -> list[dict]:
 
 def _run(tmp_path, model_dir, *flags: str, completion_length: int = 12) -> tuple[Store, dict]:
     bucket = tmp_path / "bucket"
-    proxy_port = free_port()
-    cmd = brigade_local(
+    run_local_on_free_ports(
         str(bucket),
         model_dir,
-        *("--local.num-replicas", "1", "--run.num-generations", "4", "--trainer.max-steps", "2"),
+        *("--run.num-generations", "4", "--trainer.max-steps", "2"),
         *("--trainer.groups-per-step", "1", "--rollout.max-completion-length", str(completion_length)),
         *("--rollout.groups-per-shard", "1", "--rollout.max-inflight-groups", "2", "--rollout.eval-size", "0"),
-        *("--proxy.port", str(proxy_port), "--rollout.proxy-url", f"http://127.0.0.1:{proxy_port}"),
-        *("--local.base-port", str(listen_ports(2)), "--trainer.metrics-port", str(free_port())),
-        *("--rollout.metrics-port", str(free_port()), "--local.max-wall-s", str(host_timeout(900))),
         *flags,
+        wall_s=900,
     )
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=host_timeout(1200))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     return Store(str(bucket)), summary
 

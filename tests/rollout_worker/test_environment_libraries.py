@@ -76,7 +76,8 @@ class Snoop:
         return "", 0.0, True, {}
 
 
-async def _episode(spec: str, row: dict, actions: list[str], passed_env=()) -> tuple[dict, str, list]:
+async def run_env(spec: str, row: dict, actions: list[str], passed_env=()) -> tuple[dict, str, list]:
+    """`spec` made, reset with `row` and stepped with `actions` in an environment process of its own (host.py)."""
     hosts = EnvHosts(max_idle=1, passed_env=passed_env)
     proc = hosts.acquire()
     try:
@@ -120,7 +121,7 @@ def test_a_textarena_game_runs_unchanged_one_game_per_seed():
     assert all("My guess" not in o for _, o, _, _ in game)  # the player's own move is not echoed back
     # the same row (same seed) is the same game: every episode of a group faces one target
     assert asyncio.run(play())[1] == game
-    other = asyncio.run(_episode("textarena:GuessTheNumber-v0", {**row, "seed": 8}, ["[10]"]))[2]
+    other = asyncio.run(run_env("textarena:GuessTheNumber-v0", {**row, "seed": 8}, ["[10]"]))[2]
     assert other[0][0] in ("The target number is higher.", "The target number is lower.")
 
 
@@ -141,23 +142,23 @@ def test_library_environments_are_checked_at_start_multi_agent_games_refused():
 
 def test_skyrl_gym_environments_run_unchanged_scored_against_the_rows_ground_truth():
     prompt = [{"role": "user", "content": "What is 2 + 3? End with #### and the number."}]
-    info, first, steps = asyncio.run(_episode("skyrl-gym:gsm8k", {"prompt": prompt, "answer": 5}, ["#### 5"]))
+    info, first, steps = asyncio.run(run_env("skyrl-gym:gsm8k", {"prompt": prompt, "answer": 5}, ["#### 5"]))
     assert info["kind"] == STEP and first == "" and steps == [("", 1.0, True, {})]
     # the multi-turn one: a wrong answer gets its own next instruction as a user message, and a turn reward
     _, _, steps = asyncio.run(
-        _episode("skyrl-gym:gsm8k_multi_turn", {"prompt": prompt, "ground_truth": "5"}, ["#### 4", "#### 5"])
+        run_env("skyrl-gym:gsm8k_multi_turn", {"prompt": prompt, "ground_truth": "5"}, ["#### 4", "#### 5"])
     )
     (obs, reward, done, _), last = steps
     assert "#### ANSWER" in obs and 0.0 < reward < 1.0 and not done, steps[0]
     assert last[1:3] == (1.0, True)
     with pytest.raises(EnvError, match="give the dataset a ground_truth"):
-        asyncio.run(_episode("skyrl-gym:gsm8k", {"prompt": prompt}, []))
+        asyncio.run(run_env("skyrl-gym:gsm8k", {"prompt": prompt}, []))
 
 
 def test_gymnasium_reset_and_an_async_environment_that_keeps_its_connection():
-    info, first, steps = asyncio.run(_episode(f"{HERE}:GymStyle", {"prompt": "x", "seed": 1}, ["a", "b"]))
+    info, first, steps = asyncio.run(run_env(f"{HERE}:GymStyle", {"prompt": "x", "seed": 1}, ["a", "b"]))
     assert info["kind"] == STEP and first[0] == " Say anything." and steps[1][2:4] == (True, False)
-    _, first, steps = asyncio.run(_episode(f"{HERE}:AsyncConnection", {"prompt": "x"}, ["hello", "again", "bye"]))
+    _, first, steps = asyncio.run(run_env(f"{HERE}:AsyncConnection", {"prompt": "x"}, ["hello", "again", "bye"]))
     assert first == " connected"
     assert [s[:3] for s in steps] == [("HELLO", 1.0, False), ("AGAIN", 1.0, False), ("BYE", 1.0, True)]
 
@@ -174,7 +175,7 @@ def test_an_environment_cannot_read_the_workers_credentials(monkeypatch):
     }
     for name, value in {**secrets, "JUDGE_API_KEY": "judge", "UNRELATED": "u", "OMP_NUM_THREADS": "1"}.items():
         monkeypatch.setenv(name, value)
-    _, seen, _ = asyncio.run(_episode(f"{HERE}:Snoop", {"prompt": "x"}, [], passed_env=["JUDGE_API_KEY", "HF_TOKEN"]))
+    _, seen, _ = asyncio.run(run_env(f"{HERE}:Snoop", {"prompt": "x"}, [], passed_env=["JUDGE_API_KEY", "HF_TOKEN"]))
     env = json.loads(seen)
     assert not set(secrets) & set(env), sorted(env)  # not even HF_TOKEN, which the run named
     assert not any(v in seen for v in secrets.values())

@@ -10,7 +10,6 @@ tests/rollout_worker/test_environment_openenv.py`.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -20,7 +19,8 @@ env_server = pytest.importorskip("openenv.core.env_server")
 uvicorn = pytest.importorskip("uvicorn")
 
 from rollout_worker.environments.contract import STEP  # noqa: E402 - after the skip: openenv is optional
-from rollout_worker.environments.host import EnvHosts  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+from tests.rollout_worker.test_environment_libraries import run_env  # noqa: E402
 
 HERE = "tests.rollout_worker.test_environment_openenv"
 T = 60.0
@@ -57,37 +57,18 @@ class GuessEnvironment(env_server.Environment):
         return self._state
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _episode(spec: str, row: dict, actions: list[str]) -> tuple[dict, str, list]:
-    hosts = EnvHosts(max_idle=1)
-    proc = hosts.acquire()
-    try:
-        info = await proc.call("create", spec, timeout_s=T)
-        first = await proc.call("reset", row, timeout_s=T)
-        steps = [await proc.call("step", a, timeout_s=T) for a in actions]
-    finally:
-        hosts.release(proc)
-        hosts.close()
-    return info, first, steps
-
-
 def _check(info: dict, first: str, steps: list) -> None:
     assert info["kind"] == STEP and first == "\n\nGuess a digit."
     assert steps == [("higher", 0.0, False, {}), ("lower", 0.0, False, {}), ("right", 1.0, True, {})]
 
 
 def test_an_openenv_environment_class_runs_in_process():
-    _check(*asyncio.run(_episode(f"openenv:{HERE}:GuessEnvironment", {"prompt": "x", "seed": 7}, ["3", "9", "7"])))
+    _check(*asyncio.run(run_env(f"openenv:{HERE}:GuessEnvironment", {"prompt": "x", "seed": 7}, ["3", "9", "7"])))
 
 
 def test_an_openenv_server_runs_through_its_own_async_client_one_session_per_episode():
     app = env_server.create_fastapi_app(GuessEnvironment, GuessAction, GuessObservation)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -98,7 +79,7 @@ def test_an_openenv_server_runs_through_its_own_async_client_one_session_per_epi
         assert server.started
         url = f"http://127.0.0.1:{port}"
         # reset opens the WebSocket session; every step goes over it, on the process's one event loop
-        _check(*asyncio.run(_episode(f"openenv:{url}", {"prompt": "x", "seed": 17}, ["3", "9", "7"])))
+        _check(*asyncio.run(run_env(f"openenv:{url}", {"prompt": "x", "seed": 17}, ["3", "9", "7"])))
     finally:
         server.should_exit = True
         thread.join(10)
