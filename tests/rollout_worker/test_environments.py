@@ -27,7 +27,7 @@ from rollout_worker.environments.groups import EpisodeGroups
 from rollout_worker.environments.host import EnvHosts
 from rollout_worker.environments.schema import EnvSpecError
 from rollout_worker.environments.stream import Renderer, TemplateNotPrefixPreserving, extension
-from rollout_worker.environments.tool_calls import parse_tool_calls
+from rollout_worker.environments.tool_calls import parse_reply
 from rollout_worker.generation import Generator
 from rollout_worker.live_adapter import LiveAdapter
 from rollout_worker.rewards import Scorer
@@ -170,12 +170,11 @@ def test_contracts_and_tool_schema_as_trl_builds_them():
 
 def test_tool_calls_are_read_from_tool_call_blocks():
     text = 'x <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> y <tool_call>{oops</tool_call>'
-    calls = parse_tool_calls(text)
+    calls = parse_reply(text, "hermes").calls
     assert [(c.name, c.arguments, bool(c.error)) for c in calls] == [("add", {"a": 1, "b": 2}, False), ("", {}, True)]
-    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].arguments == {
-        "a": 1
-    }
-    assert parse_tool_calls("no call") == []
+    wire = parse_reply('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', "hermes")
+    assert wire.calls[0].arguments == {"a": 1}
+    assert parse_reply("no call", "hermes").calls == []
 
 
 def test_a_tool_that_raises_answers_its_error_and_a_hung_call_kills_only_its_process():

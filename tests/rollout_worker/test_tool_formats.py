@@ -25,7 +25,6 @@ from rollout_worker.environments.stream import Renderer
 from rollout_worker.environments.tool_calls import (
     FORMATS,
     parse_reply,
-    parse_tool_calls,
     tool_instructions,
     with_tool_instructions,
 )
@@ -148,7 +147,7 @@ def test_smollm2s_template_renders_no_tool_call_so_the_worker_lists_the_tools_in
     for fmt in FORMATS:
         how = tool_instructions(TOOLS[:1], fmt).split("To call a tool, ")[1]
         assert written[fmt].split("add")[0].strip() in how, (fmt, how)
-        assert [(c.name, c.arguments) for c in parse_tool_calls(written[fmt], fmt, TOOLS)] == [
+        assert [(c.name, c.arguments) for c in parse_reply(written[fmt], fmt, TOOLS).calls] == [
             ("add", {"a": 1, "b": 2})
         ]
 
@@ -158,10 +157,9 @@ def test_broken_calls_say_why_and_the_model_is_told_of_a_bad_body():
     bad = parse_reply('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', "hermes")
     assert len(bad.calls) == 1 and bad.calls[0].error.startswith("the tool call is not JSON") and bad.unparsed
     # the wire form's arguments as JSON text are read; a call without a name is an error call
-    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].arguments == {
-        "a": 1
-    }
-    assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[0].error
+    wire = parse_reply('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', "hermes")
+    assert wire.calls[0].arguments == {"a": 1}
+    assert parse_reply('<tool_call>{"arguments": {}}</tool_call>', "hermes").calls[0].error
     # Llama: a JSON answer that names no function is an answer; after <|python_tag|>, the built-in tools' syntax
     assert parse_reply('{"answer": 42}', "llama3_json") == parse_reply("", "llama3_json")
     tagged = parse_reply('<|python_tag|>brave_search.call(query="weather in Paris")', "llama3_json").calls
@@ -173,7 +171,7 @@ def test_broken_calls_say_why_and_the_model_is_told_of_a_bad_body():
     assert parse_reply("[TOOL_CALLS] sorry", "mistral").unparsed
     # Qwen3-Coder: a text parameter stays text even when it looks like a number; the rest is typed by the schema
     coder = "<tool_call>\n<function=lookup>\n<parameter=city>\n1984\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
-    assert parse_tool_calls(coder + "</function>\n</tool_call>", "qwen3_coder", TOOLS)[0].arguments == {
+    assert parse_reply(coder + "</function>\n</tool_call>", "qwen3_coder", TOOLS).calls[0].arguments == {
         "city": "1984",
         "days": 3,
     }

@@ -36,11 +36,6 @@ def parse_reply(text: str, fmt: str, tools: list[dict[str, Any]] | None = None) 
     return PARSERS[fmt](text, tools)
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict[str, Any]] | None = None) -> list[ToolCall]:
-    """Every call of a reply in order; a call that is there but not usable is an error call."""
-    return parse_reply(text, fmt, tools).calls
-
-
 _HOW = {
     "hermes": 'write <tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>',
     "llama3_json": 'reply with only {"name": "TOOL", "parameters": {...}}',
@@ -79,7 +74,6 @@ __all__ = [
     "Parsed",
     "ToolCall",
     "parse_reply",
-    "parse_tool_calls",
     "tool_instructions",
     "with_tool_instructions",
 ]
