@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -59,6 +60,12 @@ class RunSpec(BaseModel):
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
     max_staleness: int = Field(
         4, ge=0, description="Rollouts generated more than this many adapter versions ago are dropped."
+    )
+    api: Literal["grpo", "tinker"] = Field(
+        "grpo",
+        description="Who owns the training loop: grpo (brigade's: rollout workers score groups, the trainer trains "
+        "them) or tinker (a Tinker API client's: the proxy serves /api/v1, the trainer executes the client's "
+        "operations from the bucket; docs/tinker.md).",
     )
 
 
