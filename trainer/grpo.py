@@ -46,53 +46,24 @@ has no mask (every token is trained): the same path, the same numbers.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
-from typing import Any, Literal
 
 import torch
 
 from bucket.rollouts import Sample, ScoredGroup
-from trainer.offpolicy import ratio_masks
-from trainer.packing import packed_logprobs
-from trainer.rows import Completion, MicroBatch
 
-LossType = Literal["grpo", "dapo", "dr_grpo"]
-ScaleRewards = Literal["group", "batch", "none"]
-LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: far past any clip, and never inf (inf * 0 gradients are NaN)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    loss_type: LossType = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float = 0.0  # 0 = epsilon
-    delta: float = 3.0  # 0 = no cap on the unclipped ratio
-    beta: float = 0.0
-    scale_rewards: ScaleRewards = "group"
-    max_completion_length: int | None = None  # dr_grpo's constant denominator; None: each group's recorded limit
-    token_mask: bool = False  # IcePop: tokens whose ratio is outside the band train nothing
-    token_mask_low: float = 0.5
-    token_mask_high: float = 2.0
-    sequence_geo_mask: bool = False  # samples whose geometric-mean ratio is outside the band train nothing
-    sequence_geo_mask_low: float = 0.99
-    sequence_geo_mask_high: float = 1.01
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> LossConfig:
-        """From the [trainer] table (TrainerConfig has a field of the same name for each)."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon_high or self.epsilon
-
-    @property
-    def token_band(self) -> tuple[float, float] | None:
-        return (self.token_mask_low, self.token_mask_high) if self.token_mask else None
-
-    @property
-    def sequence_band(self) -> tuple[float, float] | None:
-        return (self.sequence_geo_mask_low, self.sequence_geo_mask_high) if self.sequence_geo_mask else None
+# The loss itself lives in trainer/losses.py (one code path with a Tinker client's losses); its names stay
+# importable from here, where GRPO's callers have always found them.
+from trainer.losses import (  # noqa: F401
+    LOG_RATIO_LIMIT,
+    MASK_COUNTS,
+    SUMS,
+    LossConfig,
+    LossType,
+    ScaleRewards,
+    accumulate,
+    token_loss,
+)
+from trainer.rows import Completion
 
 
 def _std(x: torch.Tensor) -> torch.Tensor:
@@ -160,82 +131,6 @@ def _completion(s: Sample, adv: float, weight: float, inv_t: float) -> Completio
     end = max(i for i, m in enumerate(s.loss_mask) if m) + 1
     mask = s.loss_mask[:end]
     return Completion(s.completion_ids[:end], s.logprobs[:end], adv, weight, inv_t, None if all(mask) else mask)
-
-
-# Sums kept on the device over a step, read back once at its end (the masks' counts: trainer/offpolicy.py).
-MASK_COUNTS = ("token_masked", "sequences", "sequence_masked")
-SUMS = ("tokens", "loss", "ratio", "kl", "entropy", "low", "high", "dual", "ref_kl", *MASK_COUNTS)
-
-
-def token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    cfg: LossConfig,
-    ref_logp: torch.Tensor | None = None,
-    sequence: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss (see the module docstring) and per-token indicators for the metrics, with the masks'
-    counts (MASK_COUNTS, 0-d) when one is on. `sequence`: each token's sequence (MicroBatch.sequence), which the
-    sequence mask needs."""
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    coef_1 = torch.exp(log_ratio)
-    coef_2 = coef_1.clamp(1 - cfg.epsilon, 1 + cfg.eps_high)
-    truncated = coef_1.clamp(max=cfg.delta) if cfg.delta else coef_1
-    loss = -torch.minimum(truncated * adv, coef_2 * adv)
-    with torch.no_grad():
-        r = coef_1.detach()
-        parts = {
-            "ratio": r,
-            "kl": (r - 1) - log_ratio.detach(),  # k3 estimate of KL(behaviour || trainer), as TRL's async trainer
-            "low": ((r < 1 - cfg.epsilon) & (adv < 0)).float(),
-            "high": ((r > 1 + cfg.eps_high) & (adv > 0)).float(),
-            "dual": ((r > cfg.delta) & (adv < 0)).float() if cfg.delta else torch.zeros_like(r),
-        }
-    if ref_logp is not None:
-        d = ref_logp - logp
-        ref_kl = torch.exp(d) - d - 1  # k3 estimate of KL(trainer || base), TRL's per_token_kl
-        loss = loss + cfg.beta * ref_kl
-        parts["ref_kl"] = ref_kl.detach()
-    if cfg.token_mask or cfg.sequence_geo_mask:
-        keep, counts = ratio_masks(log_ratio, sequence, cfg.token_band, cfg.sequence_band)
-        # where, not a product: a masked token's loss is 0 and its gradient exactly 0
-        loss = torch.where(keep, loss, torch.zeros_like(loss))
-        parts.update(counts)
-    return loss, parts
-
-
-def accumulate(model: torch.nn.Module, micro_batches: Iterable[MicroBatch], cfg: LossConfig) -> torch.Tensor:
-    """Forward and backward every micro-batch (gradients accumulate); returns the SUMS on the device, unsynced.
-
-    `micro_batches` may be a generator that builds each row as it is needed (see rows.rows)."""
-    sums = None
-    for mb in micro_batches:
-        logp, entropy = packed_logprobs(model, mb)
-        ref = None
-        if cfg.beta:
-            with torch.no_grad(), model.disable_adapter():
-                ref, _ = packed_logprobs(model, mb)
-        per_token, parts = token_loss(logp, mb.old_logprobs, mb.advantages, cfg, ref, mb.sequence)
-        loss = (per_token * mb.weights).sum()
-        loss.backward()
-        zero = torch.zeros((), device=logp.device)
-        row = torch.stack(
-            [
-                torch.full((), float(logp.numel()), device=logp.device),
-                loss.detach(),
-                parts["ratio"].sum(),
-                parts["kl"].sum(),
-                entropy.detach().sum(),
-                parts["low"].sum(),
-                parts["high"].sum(),
-                parts["dual"].sum(),
-                parts["ref_kl"].sum() if "ref_kl" in parts else zero,
-                *(parts.get(k, zero) for k in MASK_COUNTS),
-            ]
-        )
-        sums = row if sums is None else sums + row
-    return sums if sums is not None else torch.zeros(len(SUMS), device=next(model.parameters()).device)
 
 
 def metrics(sums: list[float], beta: float) -> dict[str, float]:

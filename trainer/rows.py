@@ -23,6 +23,7 @@ in one copy per tensor; nothing inside the step reads a value back from the devi
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,8 @@ class Completion:
 
     ids: list[int]
     old_logprobs: list[float]  # the behaviour (vLLM) logprob of each token
-    advantage: float
-    weight: float  # per-token loss weight (the loss type's normaliser)
+    advantage: float | list[float]  # one for every token (GRPO's sequence advantage) or one per token (Tinker's)
+    weight: float | list[float]  # per-token loss weight (GRPO: the loss type's normaliser; Tinker: 1 or its weights)
     inv_temperature: float
     mask: list[int] | None = None  # 1 = trained, 0 = context only (Sample.loss_mask); None = every token trained
 
@@ -187,6 +188,7 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
             start = len(ids)
             if len(c.ids) > 1:
                 add_block(c.ids[:-1], range(p, p + len(c.ids) - 1), pb, (p_start, p_start + p))
+            keep = None
             if c.mask is None:
                 predict.append(last_prompt)
                 predict.extend(range(start, start + len(c.ids) - 1))
@@ -200,8 +202,8 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
                 targets.extend(c.ids[i] for i in keep)
                 old.extend(c.old_logprobs[i] for i in keep)
                 n = len(keep)
-            repeat(adv, c.advantage, n)
-            repeat(weight, c.weight, n)
+            _per_token(adv, c.advantage, n, keep)
+            _per_token(weight, c.weight, n, keep)
             repeat(inv_t, c.inv_temperature, n)
             repeat(seq, n_seq, n)
             n_seq += 1
@@ -224,6 +226,14 @@ def build(units: list[Unit], pad_to: int = 1) -> MicroBatch:
         sequence=to_tensor(seq, long),
         tokens=real,
     )
+
+
+def _per_token(values: array, value: float | list[float], n: int, keep: list[int] | None) -> None:
+    """Append a completion's per-token input: one value repeated, or its own list (at the kept tokens)."""
+    if isinstance(value, (int, float)):
+        repeat(values, value, n)
+    else:
+        values.extend(value if keep is None else [value[i] for i in keep])
 
 
 def rows(
