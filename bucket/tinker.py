@@ -181,7 +181,8 @@ def read_model(store: Store, model_id: str) -> TinkerModel | None:
 
 def list_models(store: Store) -> list[str]:
     """Model ids with a model.json, oldest first by name (session ids sort by creation)."""
-    return sorted({k.split("/")[2] for k in store.list(ROOT + "/") if k.endswith("/model.json")})
+    # Store.list names what is directly below the prefix: one folder per model
+    return [m for m in store.list(ROOT + "/") if store.exists(model_key(m, "model.json"))]
 
 
 def write_status(store: Store, status: TinkerModelStatus) -> None:

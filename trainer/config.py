@@ -121,6 +121,18 @@ class TrainerConfig(BaseModel):
         600.0, gt=0, description="Give up (with an error) if no new rollouts arrive for this long."
     )
     poll_s: float = Field(0.5, gt=0, description="How often to look for new rollout shards.")
+    tinker_unembed: Literal["refuse", "skip"] = Field(
+        "refuse",
+        description="A run with api = tinker: what to do with a client's train_unembed = True (the SDK's default), "
+        "a LoRA on the LM head, which vLLM cannot serve: refuse (create_model fails with a user error) or skip "
+        "(the head is not trained; the model's status carries a warning the client sees).",
+    )
+    tinker_poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="A run with api = tinker: how often to look for a client's next operation in the bucket (its "
+        "share of every operation's latency on a local folder; an object store bills each look).",
+    )
     metrics: bool = Field(True, description="Serve Prometheus /metrics (brigade_trainer_...; docs/dashboard.md).")
     metrics_host: str = Field("127.0.0.1", description="Address /metrics listens on (0.0.0.0: every interface).")
     metrics_port: int = Field(

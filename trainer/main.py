@@ -16,7 +16,7 @@ import time
 import torch
 
 from bucket import progress, tokenizer_id
-from bucket.config import BucketConfig, open_bucket
+from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import GroupId, ScoredGroup
 from bucket.store import Store
@@ -51,6 +51,15 @@ def _run(settings: TrainerConfig, spec: RunSpec, bucket: BucketConfig, stop: Sto
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     torch.manual_seed(settings.seed)
+
+    if manifest.api == "tinker":  # a Tinker client owns the loop: execute its operations (trainer/tinker/)
+        if dp.world > 1:
+            raise ConfigError(
+                "a run with api = tinker trains on one process: start the trainer without a distributed launcher"
+            )
+        from trainer.tinker.loop import run_tinker
+
+        return run_tinker(settings, store, manifest, stop)
 
     trainer = Trainer(settings, store, manifest, dp)
     trainer.stop = stop
