@@ -76,6 +76,16 @@ class LocalConfig(BaseModel):
         "folder in runs_dir.",
     )
     runs_dir: str = Field("runs", description="Where a new run's bucket and logs go when --bucket.url is not given.")
+    api: Literal["grpo", "tinker"] = Field(
+        "grpo",
+        description="grpo: brigade trains (rollout worker and trainer, to the end of the run). tinker: serve the "
+        "Tinker API instead (run.api = tinker): replicas, the proxy's /api/v1 and the trainer, no rollout worker, "
+        "until Ctrl-C, SIGTERM or max_minutes; it prints the base_url, the API key and a tinker-cookbook command "
+        "(docs/tinker.md).",
+    )
+    max_minutes: float = Field(
+        0.0, ge=0, description="With api = tinker: stop serving after this many minutes (0 = until Ctrl-C or SIGTERM)."
+    )
     s3_server: bool = Field(
         False,
         description="Start a loopback S3 server (moto) for the run and use an s3:// bucket on it (s3://brigade-local/"

