@@ -47,6 +47,7 @@ class TinkerLoop:
         self.session: Session | None = None
         self.next_seq = 0
         self.scanned = 0.0
+        self.settled: set[str] = set()  # models refused or finished: a scan reads nothing more of them
 
     # -- which model -----------------------------------------------------------------------------------------
     def scan(self) -> None:
@@ -54,12 +55,14 @@ class TinkerLoop:
         self.scanned = time.monotonic()
         if self.session is not None and tinker.read_finished(self.store, self.session.model_id) is not None:
             log.info("tinker model %s finished; the trainer is free", self.session.model_id)
+            self.settled.add(self.session.model_id)
             self.session = None
         for model_id in tinker.list_models(self.store):
-            if self.session is not None and model_id == self.session.model_id:
+            if model_id in self.settled or (self.session is not None and model_id == self.session.model_id):
                 continue
             status = tinker.read_status(self.store, model_id)
             if (status is not None and not status.ready) or tinker.read_finished(self.store, model_id) is not None:
+                self.settled.add(model_id)  # refused or finished: never looked at again
                 continue
             if self.session is None:
                 self.take(model_id, resumed=status is not None)
