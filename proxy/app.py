@@ -67,6 +67,9 @@ from proxy.serving.pool import ReplicaConnections
 from proxy.serving.slots import run_of_model
 from proxy.state import ProxyState
 from proxy.status import ProxyStatus
+from proxy.tinker.routes import PREFIX as TINKER_PREFIX
+from proxy.tinker.routes import tinker_endpoint
+from proxy.tinker.service import TinkerService
 
 log = logging.getLogger("brigade.proxy")
 
@@ -165,6 +168,26 @@ class Proxy:
             self.state, self.forwarder, self.passthrough, self.membership, self.autoscaler, self.events, self.pool
         )
         self._snapshots: asyncio.Task | None = None
+        # The Tinker API (proxy/tinker/): on a run whose run.json says api = "tinker" only.
+        self.tinker = (
+            TinkerService(self.state, self.forwarder, self.lifecycle, config.tinker_session_timeout_s)
+            if manifest is not None and manifest.api == "tinker"
+            else None
+        )
+
+    def tinker_refusal(self) -> str | None:
+        """Why this proxy serves no Tinker API, or None when it does."""
+        if self.pool is not None:
+            return (
+                "a shared pool serves no Tinker API (one run per proxy): start the run's own proxy with "
+                "--run.api tinker (brigade local --local.api tinker)"
+            )
+        if self.tinker is None:
+            return (
+                "this run's api is grpo: the Tinker API (/api/v1) is served on a run created with --run.api tinker "
+                "(brigade local --local.api tinker)"
+            )
+        return None
 
     def _fits_pool(self, info: ReplicaInfo) -> str | None:
         return self.pool.runs.too_small(info) if self.pool is not None else None
@@ -206,6 +229,8 @@ class Proxy:
         await self.lifecycle.start()  # after membership: what the replicas already hold is adopted first
         self._snapshots = asyncio.create_task(self.status.snapshot_forever())
         await self.autoscaler.start()
+        if self.tinker is not None:
+            await self.tinker.start()
         mode = f"static list of {len(self.config.replica_urls)}" if self.static else "bucket registry"
         log.info(
             "proxy up%s: replicas from %s, %d routable, max_inflight %d (%d per replica); admin endpoints %s",
@@ -218,6 +243,8 @@ class Proxy:
         )
 
     async def close(self) -> None:
+        if self.tinker is not None:
+            await self.tinker.close()
         if self.pool is not None:
             await self.pool.close()
         await self.autoscaler.close()
@@ -330,4 +357,6 @@ def create_app(proxy: Proxy) -> FastAPI:
         # TRL's clients call some endpoints with a trailing slash; a redirect would turn a POST into a failure.
         for p in (path, path + "/"):
             app.add_api_route(p, endpoint, methods=[method], name=name, include_in_schema=p == path)
+    tinker = tinker_endpoint(lambda: proxy.tinker, proxy.tinker_refusal, proxy.admin_token)
+    app.add_api_route(TINKER_PREFIX + "{name:path}", tinker, methods=["GET", "POST"], name="tinker_api")
     return app

@@ -136,6 +136,18 @@ class ProxyConfig(BaseModel):
         description="Pool mode: a bearer token the proxy does not know makes it re-read the run tokens "
         "(tokens/*.json) at most this often (a run given its token after the proxy started).",
     )
+    # The Tinker API (proxy/tinker/, docs/tinker.md), served on a run whose run.json says api = "tinker".
+    tinker_session_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A Tinker client session that sent no heartbeat for this long (the SDK sends one every 10 s) is "
+        "finished: its models are let go by the trainer and its sampling sessions unpin their adapter versions.",
+    )
+    tinker_tokenizer: str = Field(
+        "",
+        description="What the Tinker API tells clients to load the tokenizer from (get_info's tokenizer_id): a "
+        "local model folder or a hub id; empty = the base model's name.",
+    )
     snapshot_s: float = Field(
         5.0, gt=0, description="How often a routing snapshot event goes to the bucket while there is traffic."
     )

@@ -17,6 +17,9 @@ proxy without coordinating. Clients that load their own adapters through
 `/v1/load_lora_adapter` (TRL) keep doing so: versions they imported, and
 names outside this run's, are theirs to unload.
 
+A Tinker API client's sampling session pins the version it samples (proxy/tinker/): a pinned version is never
+unloaded, however old, and `ensure` loads one the watch skipped (a newer commit came first) on demand.
+
 A shared pool (proxy/pool/) has no run to watch: this lifecycle is off there,
 and the pool keeps each admitted run's window with the same `unload_stale`,
 answering `GET /live_adapters` per run with `live_answer`.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 from bucket import adapters, events
@@ -53,6 +57,9 @@ class AdapterLifecycle:
         self._retry_at = 0.0
         self._not_ours: set[Version] = set()  # versions a client imported (it loads and unloads them itself)
         self._task: asyncio.Task[None] | None = None
+        # lora name -> sampling sessions holding it (a Tinker client samples its snapshot as long as it lives)
+        self.pins: dict[str, int] = {}
+        self._loads = asyncio.Lock()  # the watch and `ensure` never fan the same version out twice at once
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +90,28 @@ class AdapterLifecycle:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    def pin(self, lora_name: str) -> None:
+        self.pins[lora_name] = self.pins.get(lora_name, 0) + 1
+
+    def unpin(self, lora_name: str) -> None:
+        left = self.pins.get(lora_name, 0) - 1
+        if left > 0:
+            self.pins[lora_name] = left
+        else:
+            self.pins.pop(lora_name, None)
+
+    async def ensure(self, version: Version) -> bool:
+        """Load `version` on every routable replica unless it is there already (a version the watch skipped,
+        because a newer one was committed first, or one unloaded since); True once every replica serves it."""
+        if version in self.run_versions():
+            return True
+        if not self.state.routable:
+            return False
+        async with self._loads:
+            if version not in self.run_versions():
+                await self._load(version)
+        return version in self.run_versions()
+
     async def _watch(self) -> None:
         while True:
             try:
@@ -104,7 +133,9 @@ class AdapterLifecycle:
             and time.monotonic() >= self._retry_at
             and self.state.routable
         ):
-            await self._load(self.latest)
+            async with self._loads:
+                if self.latest not in self.run_versions():
+                    await self._load(self.latest)
         await self._unload_stale()
 
     async def _load(self, version: Version) -> None:
@@ -138,7 +169,7 @@ class AdapterLifecycle:
     async def _unload_stale(self) -> None:
         manifest = self.state.manifest
         assert manifest is not None
-        await unload_stale(self.state, self.fanout, self.run_versions(), manifest.max_staleness)
+        await unload_stale(self.state, self.fanout, self.run_versions(), manifest.max_staleness, self.pins)
 
 
 def versions_of(loaded: dict[str, AdapterRef], run_id: str, pool_run: bool = False) -> dict[Version, AdapterRef]:
@@ -180,10 +211,14 @@ def oldest_kept(live: dict[Version, AdapterRef], max_staleness: int) -> Version:
 
 
 async def unload_stale(
-    state: ProxyState, fanout: AdapterFanout, live: dict[Version, AdapterRef], max_staleness: int
+    state: ProxyState,
+    fanout: AdapterFanout,
+    live: dict[Version, AdapterRef],
+    max_staleness: int,
+    pinned: Collection[str] = (),
 ) -> None:
     """Unload a run's versions older than its newest - max_staleness once no request has named them for
-    unload_idle_s (a group or an evaluation still generating with one keeps it)."""
+    unload_idle_s (a group or an evaluation still generating with one keeps it), and none `pinned`."""
     if not live:
         return
     low = oldest_kept(live, max_staleness)
@@ -191,7 +226,7 @@ async def unload_stale(
     for version, ad in sorted(live.items()):
         if version >= low:
             break
-        if state.idle_for(ad.lora_name) < idle_s:
+        if ad.lora_name in pinned or state.idle_for(ad.lora_name) < idle_s:
             continue  # a group or an evaluation still generates with it
         resp = await fanout.unload(ad.lora_name)
         if resp.status_code != 200:
