@@ -136,7 +136,7 @@ async def _optim_step(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any
 
 async def _load_weights(svc: TinkerService, body: dict[str, Any]) -> dict[str, Any]:
     if body.get("model_id") is None:
-        return await svc.create_from_state(body)
+        return await svc.create_model(body, from_state=True)
     return await svc.submit(training.load_op(body))
 
 

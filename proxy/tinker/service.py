@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from proxy.serving.forwarding import Forwarder
 from proxy.state import ProxyState
 from proxy.tinker import training
 from proxy.tinker.sampling import KEEP_DONE_S, SampleRuns, completion_body
-from proxy.tinker.sessions import Sampler, Sessions, model_id_of, session_of_model
+from proxy.tinker.sessions import Sampler, Sessions, session_of_model
 from proxy.tinker.training import PROTOBUF, Refused, failed, try_again
 from proxy.tinker.wire import encode_forward_backward_output
 
@@ -118,50 +119,12 @@ class TinkerService:
         self.failures[request_id] = (error, category)
         return {"request_id": request_id, "model_id": model_id}
 
-    async def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
-        m = self.manifest
-        session_id, seq = body.get("session_id"), body.get("model_seq_id")
-        if not isinstance(session_id, str) or type(seq) is not int:
-            raise Refused("create_model needs session_id and model_seq_id")
-        model_id = model_id_of(session_id, seq)
-        lora = body.get("lora_config") or {}
-        rank = lora.get("rank", m.lora_rank)
-        if body.get("base_model") != m.base_model:
-            return self.fail(f"base model {body.get('base_model')!r}: this run trains {m.base_model!r}", "user")
-        if rank != m.lora_rank:
-            return self.fail(
-                f"LoRA rank {rank}: this run's trainer holds rank {m.lora_rank} adapters; start the run with "
-                f"--run.lora-rank {rank} (and --run.lora-alpha) to train rank {rank}"
-            )
-        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
-        if optimizer != "adamw":
-            return self.fail(f"optimizer {optimizer!r}: brigade's trainer runs Adam only (the SDK's default)")
-        model = bt.TinkerModel(
-            model_id=model_id,
-            session_id=session_id,
-            base_model=m.base_model,
-            rank=rank,
-            seed=lora.get("seed"),
-            train_attn=lora.get("train_attn", True),
-            train_mlp=lora.get("train_mlp", True),
-            train_unembed=lora.get("train_unembed", True),
-        )
-        return await self._create(model)
-
-    async def create_from_state(self, body: dict[str, Any]) -> dict[str, Any]:
-        """load_weights without a model: a new model of the session, starting from a saved training state."""
-        m = self.manifest
-        session_id, seq = body.get("session_id"), body.get("model_seq_id")
-        if not isinstance(session_id, str) or type(seq) is not int:
-            raise Refused("load_weights needs model_id and seq_id, or session_id and model_seq_id")
-        model = bt.TinkerModel(
-            model_id=model_id_of(session_id, seq),
-            session_id=session_id,
-            base_model=m.base_model,
-            rank=m.lora_rank,
-            from_state=training.state_path_of(body),
-            load_optimizer=bool(body.get("optimizer")),
-        )
+    async def create_model(self, body: dict[str, Any], from_state: bool = False) -> dict[str, Any]:
+        """create_model, or load_weights without a model (a new model starting from a saved training state)."""
+        try:
+            model = training.model_of(body, self.manifest, from_state)
+        except training.Unsupported as exc:
+            return self.fail(str(exc))
         return await self._create(model)
 
     async def _create(self, model: bt.TinkerModel) -> dict[str, Any]:
@@ -276,7 +239,7 @@ class TinkerService:
                 Sampler(
                     sampler_id,
                     session_of_model(op.model_id) or "",
-                    self.manifest.base_model,
+                    await self._base_of(bt.sampler_path(op.model_id, "")),
                     version.lora_name(self.manifest.run_id),
                     version,
                     result.path,
@@ -306,8 +269,11 @@ class TinkerService:
 
     async def resolve_path(self, path: str) -> Version:
         """The adapter version a sampler path (what save_weights_for_sampler answered) names."""
-        if path in self.sampler_paths:
-            return self.sampler_paths[path]
+        if path not in self.sampler_paths:
+            self.sampler_paths.update(await asyncio.to_thread(training.sampler_versions, self.store, path))
+        if path not in self.sampler_paths:
+            raise Refused(f"no saved sampler weights at {path} in this run")
+        return self.sampler_paths[path]
         parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] != "sampler_weights":
             raise Refused(
@@ -340,14 +306,26 @@ class TinkerService:
             version = await self.resolve_path(path)
             if not await self.lifecycle.ensure(version):
                 raise Refused(f"adapter version {version} ({path}) could not be loaded on every replica")
-            sampler = Sampler(sampler_id, session_id, m.base_model, version.lora_name(m.run_id), version, path)
+            base = await self._base_of(path)
+            sampler = Sampler(sampler_id, session_id, base, version.lora_name(m.run_id), version, path)
         else:
-            base = body.get("base_model")
-            if base != m.base_model:
-                raise Refused(f"base_model {base!r}: this run serves {m.base_model!r}")
-            sampler = Sampler(sampler_id, session_id, m.base_model, m.base_model)
+            base = str(body.get("base_model"))
+            if not self._is_base(base):
+                raise Refused(f"base_model {base!r}: this run serves {m.base_model!r} (or its model folder)")
+            sampler = Sampler(sampler_id, session_id, base, m.base_model)
         self._add_sampler(sampler)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    def _is_base(self, name: str) -> bool:
+        """The run's base model by its served name, or by the folder it was loaded from (the cookbook names the
+        model by its folder, so that its tokenizer loads offline)."""
+        name, folder = name.rstrip("/"), self.state.config.tinker_tokenizer.rstrip("/")
+        return name == self.manifest.base_model or os.path.basename(name) == self.manifest.base_model or name == folder
+
+    async def _base_of(self, path: str) -> str:
+        """The base model a sampler path's training model named (what the SDK loads the tokenizer by)."""
+        model = await self.model(path[len("tinker://") :].split("/")[0])
+        return model.base_model if model is not None else self.manifest.base_model
 
     def sampler_info(self, sampler_id: str) -> Response:
         s = self.sessions.samplers.get(sampler_id)

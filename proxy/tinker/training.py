@@ -13,13 +13,21 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from bucket import tinker as bt
+from bucket.manifest import RunManifest
+from bucket.store import Store
 from bucket.tinker import AdamSettings, TinkerOp, TinkerResult, sampler_path, state_path
+from bucket.version import Version
 
 PROTOBUF = "application/x-protobuf"
 
 
 class Refused(ValueError):
     """A call the SDK made that brigade cannot honour: the message names what and what to do instead."""
+
+
+class Unsupported(ValueError):
+    """A well-formed call asking for what this run cannot do: its future fails with a user error."""
 
 
 def _seq(body: dict[str, Any]) -> int:
@@ -34,6 +42,36 @@ def _model(body: dict[str, Any]) -> str:
     if not isinstance(model_id, str) or not model_id:
         raise Refused("model_id is missing: name the training model the call is for")
     return model_id
+
+
+def model_of(body: dict[str, Any], manifest: RunManifest, from_state: bool) -> bt.TinkerModel:
+    """The training model a create_model (or a load_weights that creates one) asks for. The trainer judges
+    base_model (it alone knows the model's folder, which the cookbook names the model by)."""
+    session_id, seq = body.get("session_id"), body.get("model_seq_id")
+    if not isinstance(session_id, str) or type(seq) is not int:
+        raise Refused(f"{'load_weights' if from_state else 'create_model'} needs session_id and model_seq_id")
+    common = dict(
+        model_id=f"{session_id}:train:{seq}",
+        session_id=session_id,
+        base_model=body.get("base_model") or manifest.base_model,
+    )
+    if from_state:  # the state's rank is the run's: every model of the run has it
+        state = state_path_of(body)
+        return bt.TinkerModel(
+            **common, rank=manifest.lora_rank, from_state=state, load_optimizer=bool(body.get("optimizer"))
+        )
+    lora = body.get("lora_config") or {}
+    rank = lora.get("rank", manifest.lora_rank)
+    if rank != manifest.lora_rank:
+        raise Unsupported(
+            f"LoRA rank {rank}: this run's trainer holds rank {manifest.lora_rank} adapters; start the run with "
+            f"--run.lora-rank {rank} (and --run.lora-alpha) to train rank {rank}"
+        )
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise Unsupported(f"optimizer {optimizer!r}: brigade's trainer runs Adam only (the SDK's default)")
+    flags = {k: lora.get(k, True) for k in ("train_attn", "train_mlp", "train_unembed")}
+    return bt.TinkerModel(**common, rank=rank, seed=lora.get("seed"), **flags)
 
 
 def optim_step_op(body: dict[str, Any]) -> tuple[TinkerOp, str | None]:
@@ -108,3 +146,27 @@ def sampler_answer(op: TinkerOp, result: TinkerResult, sampler_id: str | None) -
     (save_weights_and_get_sampling_client's unnamed one)."""
     path = result.path or (sampler_path(op.model_id, op.name) if op.name else None)
     return JSONResponse({"path": path, "sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+
+def sampler_versions(store: Store, path: str) -> dict[str, Version]:
+    """The sampler paths of the model a sampler path names, each with its adapter version, read from the model's
+    results (a proxy restarted since the save has no memory of them)."""
+    parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != "sampler_weights":
+        raise Refused(
+            f"model_path {path!r}: a sampling client samples a sampler path, "
+            "tinker://<model_id>/sampler_weights/<name> (what save_weights_for_sampler returned)"
+        )
+    found: dict[str, Version] = {}
+    for key in store.list(bt.model_key(parts[0], "results/")):
+        seq = key.rsplit("/", 1)[-1].removesuffix(".json")
+        result = bt.read_result(store, parts[0], int(seq)) if seq.isdigit() else None
+        if (
+            result
+            and result.ok
+            and result.path
+            and result.version is not None
+            and result.kind == "save_weights_for_sampler"
+        ):
+            found[result.path] = Version(result.version)
+    return found
