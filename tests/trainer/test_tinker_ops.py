@@ -256,12 +256,16 @@ def test_refusals_are_user_errors_and_the_loop_goes_on(loop):
         ({"data": [TinkerDatum(tokens=d.tokens, target_tokens=d.target_tokens, inputs={"weights": [1.0]})]}, "entries"),
         ({"loss_fn": "importance_sampling"}, "advantages"),
     ]
-    seq = 0
+    assert run_op(loop, model_id, 0, "forward_backward", data=good, loss_fn="cross_entropy").ok
+    grads = {n: p.grad.clone() for n, p in lora_params(loop.model).items() if p.grad is not None}
+    seq = 1
     for fields, words in cases:
         op = {"data": good, "loss_fn": "cross_entropy", **fields}
         res = run_op(loop, model_id, seq, "forward_backward", **op)
         assert not res.ok and res.category == "user" and words in res.error, (fields, res.error)
         seq += 1
+    # a refused op leaves the gradients accumulated before it as they were
+    assert grads and all(torch.equal(lora_params(loop.model)[n].grad, g) for n, g in grads.items())
     # an op object that fails validation: a user error for its seq_id, and the next op runs
     loop.store.put_if_absent(tinker.op_key(model_id, seq), b'{"model_id": "x", "seq_id": -1, "kind": "optim_step"}')
     res = wait_result(loop, model_id, seq)

@@ -73,9 +73,6 @@ class Session:
         return result
 
     def _error(self, op: TinkerOp, message: str, category: str) -> TinkerResult:
-        if op.kind in ("forward_backward", "load_weights"):
-            # a failed op leaves no half: gradients from part of a batch would be applied by the next optim_step
-            self.optimizer.zero_grad(set_to_none=True)
         return TinkerResult(
             model_id=op.model_id, seq_id=op.seq_id, kind=op.kind, ok=False, error=message, category=category
         )
@@ -130,7 +127,15 @@ class Session:
                 out[i] = values[at : at + n]
                 at += n
 
-        sums = accumulate(self.model, micro(), loss, backward=backward, on_row=on_row)
+        # A failed op leaves nothing behind: the gradients of part of a batch would be applied by the next
+        # optim_step. Every datum is checked above, before any backward; this covers a failure on the way.
+        before = [p.grad.clone() if p.grad is not None else None for p in self.params] if backward else []
+        try:
+            sums = accumulate(self.model, micro(), loss, backward=backward, on_row=on_row)
+        except BaseException:
+            for p, g in zip(self.params, before):
+                p.grad = g
+            raise
         return out, float(sums[1])
 
     def optim_step(self, op: TinkerOp) -> None:
@@ -151,7 +156,14 @@ class Session:
         """The weights (and the optimizer's state, or a fresh one) of a saved state of this bucket."""
         prefix = state.resolve_state(self.store, path)
         fresh = adam(self.params)
-        state.read_files(self.store, prefix, self.model, fresh if with_optimizer else None, f"{path!r}")
+        weights = [p.detach().clone() for p in self.params]
+        try:
+            state.read_files(self.store, prefix, self.model, fresh if with_optimizer else None, f"{path!r}")
+        except BaseException:  # the adapter loaded and the optimizer did not: the weights go back as they were
+            with torch.no_grad():
+                for p, w in zip(self.params, weights):
+                    p.copy_(w)
+            raise
         self.optimizer = fresh
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
