@@ -17,6 +17,7 @@ from bucket import tinker as bt
 from bucket.manifest import RunSpec, init_or_check
 from proxy.app import Proxy
 from proxy.config import ProxyConfig
+from tests.helpers import wait_for
 from tests.proxy.tinker_helpers import OpAnswerer, serve_proxy
 
 tinker = pytest.importorskip("tinker")
@@ -159,3 +160,27 @@ def test_protobuf_outputs_round_trip_through_the_sdks_decoder():
     assert [s.stop_reason for s in sample.sequences] == ["stop", "length"]
     assert np.allclose(sample.sequences[0].logprobs, [-0.5, -1.0, -0.125])
     assert sample.prompt_logprobs == [None, -1.0]
+
+
+def test_a_silent_session_is_finished_and_a_restarted_proxy_still_answers_a_future(local_store):
+    """The SDK heartbeats every 10 s; a session that stops is finished after the timeout (its models let go in the
+    bucket). A request id names its op in the bucket, so a new proxy answers a future an old one handed out."""
+    manifest = tinker_run(local_store)
+    with OpAnswerer(local_store, answer):
+        first = Proxy(ProxyConfig(tinker_session_timeout_s=0.5), local_store, manifest)
+        with serve_proxy(first) as url:
+            session = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]
+            body = {"session_id": session, "model_seq_id": 0, "base_model": manifest.base_model}
+            created = httpx.post(f"{url}/api/v1/create_model", json=body | {"lora_config": {"rank": 1}}).json()
+            model_id = created["model_id"]
+            done = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": created["request_id"]}).json()
+            assert done["model_id"] == model_id
+            step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.01}}
+            future = httpx.post(f"{url}/api/v1/optim_step", json=step).json()
+            assert future["request_id"] == bt.request_id(model_id, 1)
+            wait_for(lambda: bt.read_finished(local_store, model_id), 10, "the silent session to be finished")
+            assert httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
+        second = Proxy(ProxyConfig(), local_store, manifest)
+        with serve_proxy(second) as url:
+            again = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": future["request_id"]})
+            assert again.json() == {"metrics": {"optimizer_step:sum": 1.0}}
