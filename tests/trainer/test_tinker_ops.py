@@ -231,8 +231,9 @@ def test_weights_save_load_and_publish(loop):
     for n, p in lora_params(loop.model).items():
         assert torch.equal(p.detach(), at_save[n]), n
 
-    # a new model from that state starts there
-    other = hold(loop, seed=99, from_state=saved.path, load_optimizer=True)
+    # a new model from that state starts there, training what the state's model trained (the proxy creates it
+    # with the SDK's defaults, train_unembed=True among them)
+    other = hold(loop, seed=99, from_state=saved.path, load_optimizer=True, train_unembed=True)
     assert tinker.read_status(loop.store, other).ready
     for n, p in lora_params(loop.model).items():
         assert torch.equal(p.detach(), at_save[n]), n

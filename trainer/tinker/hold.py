@@ -17,6 +17,7 @@ from bucket.manifest import RunManifest
 from bucket.tinker import TinkerModel
 from trainer.tinker.data import TinkerUserError
 
+TRAINED_PARTS = ("train_attn", "train_mlp", "train_unembed")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a LoRA module under one of these is an MLP's; the others attention's
 
 

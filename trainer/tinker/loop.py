@@ -82,6 +82,11 @@ class TinkerLoop:
         if spec is None:
             return
         try:
+            if spec.from_state:
+                # a model made from a saved state trains what the state's model trained (the proxy, which
+                # creates it from a path only, cannot know)
+                saved_by, _ = state.source(self.store, spec.from_state)
+                spec = spec.model_copy(update={k: getattr(saved_by, k) for k in hold.TRAINED_PARTS})
             warning = hold.check(spec, self.manifest, self.settings.model_path, self.settings.tinker_unembed)
             params = hold.fresh_lora(self.model, spec)
             session = Session(

@@ -75,6 +75,11 @@ def persist(
 def resolve_state(store: Store, path: str) -> str:
     """The bucket prefix of a saved state's tinker:// path (tinker://<model_id>/weights/<name>); a user error for
     anything else."""
+    return source(store, path)[1]
+
+
+def source(store: Store, path: str) -> tuple[tinker.TinkerModel, str]:
+    """The model that saved the state at `path`, and the state's bucket prefix (see resolve_state)."""
     head = "tinker://"
     parts = path[len(head) :].split("/") if path.startswith(head) else []
     if len(parts) != 3 or parts[1] != "weights" or not parts[0] or not parts[2]:
@@ -84,12 +89,13 @@ def resolve_state(store: Store, path: str) -> str:
             "returned (from this run)"
         )
     model_id, _, name = parts
-    if tinker.read_model(store, model_id) is None:
+    model = tinker.read_model(store, model_id)
+    if model is None:
         raise TinkerUserError(f"{path!r} names model {model_id!r}, which this run's bucket does not hold")
     prefix = tinker.weights_prefix(model_id, name)
     if not store.exists(f"{prefix}/{ADAPTER_FILE}"):
         raise TinkerUserError(f"{path!r}: model {model_id!r} saved no state named {name!r}")
-    return prefix
+    return model, prefix
 
 
 def publish(store: Store, manifest: RunManifest, log: EventLog, model: PeftModel, model_id: str, steps: int) -> Version:
