@@ -176,6 +176,8 @@ class TinkerService:
         look: Callable[[], Awaitable[Response | None]]
         if request_id.startswith("create:"):
             model_id = request_id.removeprefix("create:")
+            if await self.model(model_id) is None:
+                return failed(f"no training model {model_id!r} in this run's bucket")
             look = lambda: self._created(model_id)  # noqa: E731
         elif request_id.startswith("sample:"):
             if not self.runs.known(request_id):
