@@ -32,6 +32,7 @@ from trainer.tinker.session import Session
 
 log = logging.getLogger("brigade.trainer")
 SCAN_S = 1.0  # how often a busy trainer lists the models (new ones to refuse, its own finished)
+IDLE_SCAN_S = 0.25  # how often a free one does: a create_model waits for it (an object store bills each listing)
 
 
 class TinkerLoop:
@@ -148,7 +149,7 @@ class TinkerLoop:
     # -- the ops ---------------------------------------------------------------------------------------------
     def tick(self) -> bool:
         """One move: an op executed (True), or a look at the models when it is time for one."""
-        if self.session is None or time.monotonic() - self.scanned >= SCAN_S:
+        if time.monotonic() - self.scanned >= (SCAN_S if self.session is not None else IDLE_SCAN_S):
             self.scan()
         if self.session is None:
             return False
