@@ -27,7 +27,8 @@ from bucket import layout
 from bucket.store import BucketError, NotFound, Store
 from bucket.version import Version
 
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_WEIGHTS, "adapter_config.json")
 CLAIM = "CLAIM.json"
 
 

@@ -54,6 +54,9 @@ class EventKind(StrEnum):
     REPLICA_DRAINING = "replica_draining"  # proxy: a replica asked to leave gets no new groups, finishes its own
     ROUTING_SNAPSHOT = "routing_snapshot"  # proxy, every few seconds: decisions by kind, in flight per replica
     PROBE_FAILED = "adapter_probe_failed"  # proxy: a replica's canary logprobs do not match the version it loaded
+    # trainer: weights with NaN or infinite values, never published (fields: tensors, step); proxy: a committed
+    # version whose adapter file holds such values (or cannot be read), never loaded (fields: version, reason)
+    ADAPTER_REFUSED = "adapter_refused"
     EVAL_SKIPPED = "eval_skipped"  # rollout worker: versions that came due while an evaluation ran, not evaluated
     EVAL = "eval"  # rollout worker or `brigade eval`: greedy held-out accuracy of one version (0 = base)
     CURRICULUM = "curriculum_level"  # rollout worker: training prompts moved to another difficulty level
@@ -75,6 +78,7 @@ class EventKind(StrEnum):
 
 # Module-level names, so call sites read `events.PUBLISHED`.
 PUBLISHED = EventKind.PUBLISHED
+ADAPTER_REFUSED = EventKind.ADAPTER_REFUSED
 TRAIN_STEP = EventKind.TRAIN_STEP
 TRAINER_STOPPED = EventKind.TRAINER_STOPPED
 DETECTED = EventKind.DETECTED

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from bucket import adapters
 from bucket.config import ConfigError
+from bucket.finite import nonfinite_tensors
 from bucket.manifest import RunManifest, RunSpec
 from jobkit.cpu import native_bf16
 from trainer.families import FUSED_QKV_FAMILIES, peft_targets
@@ -228,14 +229,32 @@ def compile_layers(model: PeftModel, backend: str = "inductor") -> None:
         layer.compile(dynamic=False, backend=backend)
 
 
+class NonFiniteAdapter(RuntimeError):
+    """The adapter's weights hold NaN or infinite values: publishing them would make every served logprob NaN."""
+
+    def __init__(self, tensors: list[str]):
+        self.tensors = tensors
+        shown = ", ".join(tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
+        super().__init__(
+            f"the adapter's weights hold NaN or infinite values ({shown}): it is not published. The training "
+            "diverged: lower trainer.learning_rate or trainer.max_grad_norm, check the rewards for NaN or huge "
+            "values; a restarted trainer resumes from the last published version's checkpoint."
+        )
+
+
 def adapter_files(model: PeftModel) -> dict[str, bytes]:
+    """The adapter's files as published; raises NonFiniteAdapter for weights with NaN or infinite values, so that
+    no publish path (GRPO's, the Tinker API's) can commit them."""
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         out = {}
         for name in adapters.ADAPTER_FILES:
             with open(os.path.join(tmp, name), "rb") as f:
                 out[name] = f.read()
-        return out
+    bad = nonfinite_tensors(out[adapters.ADAPTER_WEIGHTS])
+    if bad:
+        raise NonFiniteAdapter(bad)
+    return out
 
 
 def load_adapter_weights(model: PeftModel, files: dict[str, bytes]) -> None:

@@ -29,6 +29,7 @@ from trainer.kernels import fa4
 from trainer.metrics import TrainerMetrics
 from trainer.model import (
     OPTIMIZER_FILE,
+    NonFiniteAdapter,
     adapter_files,
     build_model,
     compile_layers,
@@ -246,6 +247,15 @@ class Trainer:
         in between resumes from the committed version, so rollouts never come from a version it lost.
         """
         parent = self.version or None
+        # Serialized first: weights that must not be published (NaN, inf) stop the trainer before it claims a name
+        # or writes a checkpoint. Timed apart: serializing is the trainer's cost, uploading the bucket's.
+        t0 = time.monotonic()
+        try:
+            files = adapter_files(self.model)
+            files_s = time.monotonic() - t0
+        except NonFiniteAdapter as exc:
+            self.events.emit(events.ADAPTER_REFUSED, step=self.step, tensors=exc.tensors[:20], reason=str(exc))
+            raise
         # Never reuse a name, even one a crashed trainer left half-written or another trainer just took.
         version = adapters.claim_version(self.store, owner=self.events.writer)
         lora_name = self.manifest.lora_name(version)
@@ -267,9 +277,7 @@ class Trainer:
             parent=parent,
         )
         checkpoints.save(self.store, state, {OPTIMIZER_FILE: optimizer_bytes(self.optimizer)}, point=False)
-        # Timed apart: serializing is the trainer's cost, uploading the bucket's; a slow publish names its part.
-        t0 = time.monotonic()
-        files = adapter_files(self.model)
+        t0 = time.monotonic() - files_s  # serialize_s: the files and the canary, not the checkpoint between them
         meta = {"step": self.step, "lora_name": lora_name, **canary_fields(self.model)}
         t1 = time.monotonic()
         marker = adapters.commit(self.store, version, files, meta=meta)
