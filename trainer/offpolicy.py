@@ -6,7 +6,7 @@ drift since that adapter version (staleness) and vLLM's numerics against the tra
 brigade's old policy is the behaviour policy (as TRL's AsyncGRPOTrainer), so there is no second, recomputed
 old policy and no separate trainer-vs-vLLM weight to correct with.
 
-Truncation (TIS) is `delta`, in trainer/grpo.py's loss: -min(min(r, delta) A, clip(r, 1 - epsilon,
+Truncation (TIS) is `delta`, in GRPO's loss (trainer/losses.py): -min(min(r, delta) A, clip(r, 1 - epsilon,
 1 + epsilon_high) A). A token's gradient is r A grad(logp) inside the clip range and otherwise none, so no
 token is weighted by more than max(delta, 1 + epsilon_high): for A > 0 the PPO clip stops it above
 1 + epsilon_high, for A < 0 the ratio is truncated at delta and a token past it contributes delta |A|, a
