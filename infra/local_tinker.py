@@ -155,9 +155,10 @@ class TinkerLocal(LocalJobs):
 
 def served(store: Store) -> dict[str, object]:
     """What the service did, from the bucket: the models, the operations executed, the versions published."""
-    results = sum(1 for k in store.list(tinker.ROOT + "/") if "/results/" in k)
+    models = tinker.list_models(store)
+    results = sum(len(store.list(tinker.model_key(m, "results"))) for m in models)
     versions = sorted(int(v) for v in committed_versions(store))
-    return {"models": tinker.list_models(store), "operations": results, "versions": versions}
+    return {"models": models, "operations": results, "versions": versions}
 
 
 def describe_served(what: dict[str, object]) -> str:

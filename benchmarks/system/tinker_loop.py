@@ -111,7 +111,7 @@ def _results(store: Store) -> list[tuple[tinker.TinkerOp, tinker.TinkerResult]]:
     """Every (op, result) pair of the run's one model (the recipe's), in seq_id order."""
     pairs = []
     for model_id in tinker.list_models(store):
-        seqs = sorted(int(k.rsplit("/", 1)[1].split(".")[0]) for k in store.list(tinker.model_key(model_id, "ops/")))
+        seqs = sorted(int(name.split(".")[0]) for name in store.list(tinker.model_key(model_id, "ops")))
         for seq in seqs:
             op, result = tinker.read_op(store, model_id, seq), tinker.read_result(store, model_id, seq)
             if op is not None and result is not None:
