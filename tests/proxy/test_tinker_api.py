@@ -141,8 +141,46 @@ def test_the_http_face_refuses_clearly(local_store, tmp_path, monkeypatch):
         assert names == [RunSpec().base_model]
 
 
-def test_protobuf_outputs_round_trip_through_the_sdks_decoder():
-    """The proxy's encoder against the SDK's own decoder, on a batch with an empty row."""
+def test_the_proxys_protobuf_reads_and_writes_what_the_sdk_does():
+    """The proxy's own declaration of the wire format (proxy/tinker/schema.py) against the SDK's encoder and
+    decoder: a request with a sparse tensor and string and number loss settings; outputs with an empty row."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from proxy.tinker.wire import WireError, decode_forward_backward
+
+    weights = tinker.TensorData(
+        data=np.asarray([2.0, 0.5], dtype=np.float32),
+        dtype="float32",
+        shape=[2, 2],
+        sparse_crow_indices=[0, 1, 2],
+        sparse_col_indices=[1, 1],
+    )
+    data = [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints([4, 5]),
+            loss_fn_inputs={"target_tokens": [5, 6], "weights": weights},
+        )
+    ]
+    fb = tinker.types.ForwardBackwardInput(data=data, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.7, "mode": "x"})
+    request = tinker.types.ForwardBackwardRequest(forward_backward_input=fb, model_id="s:train:0", seq_id=7)
+    model_id, seq, loss_fn, config, forward_only, got = decode_forward_backward(
+        forward_backward_request_to_proto(request).SerializeToString()
+    )
+    assert (model_id, seq, loss_fn, forward_only) == ("s:train:0", 7, "ppo", False)
+    assert config == {"clip_low_threshold": pytest.approx(0.7), "mode": "x"}
+    assert got[0].tokens == [4, 5] and got[0].target_tokens == [5, 6]
+    assert got[0].inputs["weights"] == [0.0, 2.0, 0.0, 0.5]
+    image = tinker.Datum(
+        model_input=tinker.ModelInput(chunks=[tinker.types.ImageChunk(data=b"x", format="png")]), loss_fn_inputs={}
+    )
+    fb = tinker.types.ForwardBackwardInput(data=[image], loss_fn="cross_entropy")
+    with pytest.raises(WireError, match="not text"):
+        decode_forward_backward(
+            forward_backward_request_to_proto(
+                tinker.types.ForwardBackwardRequest(forward_backward_input=fb, model_id="m", seq_id=1)
+            ).SerializeToString()
+        )
+
     from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
     from proxy.tinker.wire import encode_forward_backward_output, encode_sample_response
