@@ -68,6 +68,12 @@ def tinker_defaults(config: Config) -> tuple[Config, list[str]]:
     update = {"run": config.run.model_copy(update=run_update)}
     if trainer_update:
         update["trainer"] = config.trainer.model_copy(update=trainer_update)
+    if "trainer_threads" not in config.local.model_fields_set and not config.trainer.torch_threads:
+        # A client's loop mostly samples and trains in turn (the cookbook's default, synchronous mode), so while the
+        # trainer executes an operation the replicas are idle: it gets every core instead of one.
+        threads = os.cpu_count() or 1
+        update["local"] = config.local.model_copy(update={"trainer_threads": threads})
+        notes.append(f"local.trainer_threads = {threads} (sampling and training take turns; --local.trainer-threads)")
     if "tinker_tokenizer" not in config.proxy.model_fields_set:
         # get_info names the tokenizer a client loads (TrainingClient.get_tokenizer): the model folder, which
         # loads offline, rather than the served name, which is no hub id.
