@@ -36,6 +36,7 @@ from typing import Any
 from bucket import adapters, events
 from bucket.canary import read_canary
 from bucket.version import Version
+from proxy.adapters import weights_check
 from proxy.adapters.adapter_import import MARKER_FIELD
 from proxy.adapters.fanout import AdapterFanout
 from proxy.event_writer import EventWriter
@@ -56,6 +57,7 @@ class AdapterLifecycle:
         self.loading: Version | None = None
         self._retry_at = 0.0
         self._not_ours: set[Version] = set()  # versions a client imported (it loads and unloads them itself)
+        self.refused: dict[Version, str] = {}  # versions never loaded: their files or weights are unusable, and why
         self._task: asyncio.Task[None] | None = None
         # lora name -> sampling sessions holding it (a Tinker client samples its snapshot as long as it lives)
         self.pins: dict[str, int] = {}
@@ -130,6 +132,7 @@ class AdapterLifecycle:
             self.latest is not None
             and (newest is None or self.latest > newest)
             and self.latest not in self._not_ours
+            and self.latest not in self.refused
             and time.monotonic() >= self._retry_at
             and self.state.routable
         ):
@@ -146,6 +149,12 @@ class AdapterLifecycle:
             return
         if MARKER_FIELD in marker:
             self._not_ours.add(version)
+            return
+        reason = await asyncio.to_thread(weights_check.refusal, self.state.store, version)
+        if reason is not None:
+            self.refused[version] = reason
+            log.error("adapter %s is not loaded on any replica: %s", version.folder, reason)
+            await self.events.emit(events.ADAPTER_REFUSED, version=int(version), reason=reason)
             return
         ad = AdapterRef(version.lora_name(manifest.run_id), version, read_canary(marker))
         received, started_at = time.monotonic(), time.time()

@@ -24,6 +24,7 @@ from bucket.canary import MARKER_FIELD, read_canary
 from bucket.store import NotFound
 from bucket.version import BadVersion, Version
 from proxy.adapters.fanout import AdapterFanout
+from proxy.adapters.weights_check import unusable_weights
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef
 from proxy.pool.access import Denied
@@ -101,6 +102,10 @@ class AdapterPush:
             return Denied(400, f"{file!r} is not an adapter file: a version holds {files}").response()
         if len(data) > MAX_FILE_BYTES:
             return too_large(len(data), file).response()
+        if file == adapters.ADAPTER_WEIGHTS:  # never written, so never loaded (proxy/adapters/weights_check.py)
+            unusable = await asyncio.to_thread(unusable_weights, data)
+            if unusable:
+                return Denied(422, f"{file} {unusable}: not stored, so never loaded on any replica").response()
         refused = self._attached(run_id)
         if refused is not None:
             return refused.response()

@@ -183,3 +183,40 @@ def test_with_watch_adapters_off_the_proxy_loads_nothing_by_itself(local_store):
 
     asyncio.run(body())
     assert not [c for c in fake.calls if c[0] == "load"]
+
+
+def test_a_version_with_nan_weights_or_altered_files_is_never_loaded_and_the_run_says_why(local_store):
+    """The trainer never publishes NaN weights (tests/trainer/test_nonfinite_adapter.py); another writer might."""
+    import torch
+    from safetensors.torch import save
+
+    store, manifest = window_run(local_store, max_staleness=2)
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+    name = manifest.lora_name
+    nan = torch.zeros(4)
+    nan[1] = float("nan")
+
+    async def body():
+        cfg = config(fakes, watch_adapters=True, unload_idle_s=0.0)
+        async with running(store, manifest, cfg, fakes) as (proxy, client, _):
+            adapters.publish(store, 1, ADAPTER_FILES)
+            await until(lambda: all(held(f) == {name(1)} for f in fakes), "v1 on both replicas")
+            adapters.publish(store, 2, {**ADAPTER_FILES, "adapter_model.safetensors": save({"lora_B": nan})})
+            await until(lambda: 2 in proxy.lifecycle.refused, "v2 refused")
+            # a file rewritten after its commit (its checksum no longer matches)
+            adapters.commit(store, 3, ADAPTER_FILES)
+            store.put_bytes(f"{Version(3).key}/adapter_model.safetensors", save({"lora_B": torch.ones(4)}))
+            adapters.announce(store, 3, time.time())
+            await until(lambda: 3 in proxy.lifecycle.refused, "v3 refused")
+            assert (await client.get("/live_adapters")).json()["versions"] == [1]  # the run goes on with v1
+            adapters.publish(store, 4, ADAPTER_FILES)
+            await until(lambda: all(name(4) in held(f) for f in fakes), "v4, a good version, loaded")
+
+    asyncio.run(body())
+    for f in fakes:
+        loads = [b["lora_path"] for kind, b in f.calls if kind == "load"]
+        assert loads == [f"{ROOT}/v000001", f"{ROOT}/v000004"], (f.name, loads)
+    refused = {e["version"]: e["reason"] for e in events.read_all(store) if e["kind"] == events.ADAPTER_REFUSED}
+    assert set(refused) == {2, 3}
+    assert "NaN or infinite" in refused[2] and "lora_B" in refused[2]
+    assert "does not match its commit marker" in refused[3]

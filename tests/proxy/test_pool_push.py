@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+from safetensors.torch import save
+
 from bucket import adapters, events, layout, pool
 from bucket import live as live_json
 from bucket.version import Version
@@ -96,6 +99,14 @@ def test_a_corrupt_push_is_refused_and_nothing_is_committed(local_store, monkeyp
             assert wrong.status_code == 422 and "the path names 1" in message(wrong)
             odd = await client.put(f"{FOLDER}/model.bin", content=b"x", headers=tokens["a"])
             assert odd.status_code == 400 and "not an adapter file" in message(odd)
+            nan = torch.zeros(4)
+            nan[2] = float("nan")
+            for content, why in (
+                (save({"lora_B": nan}), "holds NaN or infinite values (lora_B)"),
+                (b"w", "cannot be read"),
+            ):
+                unusable = await client.put(f"{FOLDER}/adapter_model.safetensors", content=content, headers=tokens["a"])
+                assert unusable.status_code == 422 and why in message(unusable), message(unusable)
             big = await client.put(
                 f"{FOLDER}/adapter_model.safetensors",
                 content=b"x",

@@ -23,9 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from safetensors.torch import save
 
 from bucket import adapters, events, layout, live, replicas
 from bucket.replicas import ReplicaInfo, heartbeat, register
@@ -36,7 +38,9 @@ from proxy.config import ProxyConfig
 from proxy.replicas.drains import RELEASE_QUIET_S
 from tests.proxy.seams import HttpxGeneration, asgi_app
 
-ADAPTER_FILES = {"adapter_model.safetensors": b"not really tensors", "adapter_config.json": b"{}"}
+# Real safetensors (the proxy reads a version's weights before it loads them: proxy/adapters/weights_check.py); the
+# fake replicas never look inside.
+ADAPTER_FILES = {"adapter_model.safetensors": save({"lora_B": torch.zeros(4)}), "adapter_config.json": b"{}"}
 
 
 class FakeReplica:
