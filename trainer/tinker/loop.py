@@ -46,7 +46,9 @@ class TinkerLoop:
         self.token_budget = settings.token_budget or default_token_budget(self.model, device)
         self.pad_to = FLEX_BLOCK if device.type == "cuda" else 1
         self.session: Session | None = None
-        self.next_seq = 0
+        # The next op's seq_id; None until a model's first op arrives: the SDK numbers a model's ops from its own
+        # counter (its first training call is seq_id 1, not 0), so the first op present is where the model starts.
+        self.next_seq: int | None = None
         self.scanned = 0.0
         self.settled: set[str] = set()  # models refused or finished: a scan reads nothing more of them
 
@@ -102,7 +104,7 @@ class TinkerLoop:
                     state.read_files(self.store, prefix, self.model, opt, f"from_state {spec.from_state!r}")
                 # the start is durable too: a restart before the first optim_step begins from these weights
                 state.persist(self.store, model_id, -1, 0, self.model, session.optimizer)
-                self.next_seq = 0
+                self.next_seq = None
         except TinkerUserError as exc:
             log.info("tinker model %s refused: %s", model_id, exc)
             tinker.write_status(self.store, TinkerModelStatus(model_id=model_id, ready=False, error=str(exc)))
@@ -118,7 +120,7 @@ class TinkerLoop:
         applied = tinker.read_applied(self.store, model_id)
         if applied is None:  # held, but died before its first state was written: as a new model
             state.persist(self.store, model_id, -1, 0, self.model, session.optimizer)
-            self.next_seq = 0
+            self.next_seq = None
             return
         state.read_files(
             self.store, state.state_prefix(model_id, applied.seq_id), self.model, session.optimizer, "durable state"
@@ -154,6 +156,10 @@ class TinkerLoop:
         if self.session is None:
             return False
         model_id = self.session.model_id
+        if self.next_seq is None:
+            self.next_seq = self._first_seq(model_id)
+            if self.next_seq is None:
+                return False
         try:
             op = tinker.read_op(self.store, model_id, self.next_seq)
         except ValueError as exc:  # the op's object fails validation: a user error for that seq, then go on
@@ -170,6 +176,11 @@ class TinkerLoop:
             self.session.execute(op)
         self.next_seq += 1
         return True
+
+    def _first_seq(self, model_id: str) -> int | None:
+        """The smallest seq_id among the model's ops, None while it has none."""
+        seqs = [int(n.split(".")[0]) for n in self.store.list(tinker.model_key(model_id, "ops/")) if n[:1].isdigit()]
+        return min(seqs, default=None)
 
     def _kind(self) -> OpKind:
         """The kind an invalid op object says it is, where it says a known one (the proxy matches it)."""
