@@ -82,7 +82,18 @@ class TinkerService:
         m = self.manifest
         session = self.sessions.create()
         info = f"brigade run {m.run_id}: base model {m.base_model}, LoRA rank {m.lora_rank}"
-        return {"type": "create_session", "session_id": session.session_id, "info_message": info}
+        # Said at the session's start, where the SDK logs it: its create_model answer has no field a client shows,
+        # and train_unembed=True is the SDK's default (docs/tinker.md).
+        warning = (
+            "brigade trains no LoRA on the LM head (vLLM cannot serve one): a model asking for train_unembed=True "
+            "is refused, or trained without the head where the trainer runs with --trainer.tinker-unembed skip"
+        )
+        return {
+            "type": "create_session",
+            "session_id": session.session_id,
+            "info_message": info,
+            "warning_message": warning,
+        }
 
     def heartbeat(self, session_id: str) -> Response:
         known = self.sessions.sessions.get(session_id)
