@@ -161,7 +161,9 @@ def test_the_proxys_protobuf_reads_and_writes_what_the_sdk_does():
             loss_fn_inputs={"target_tokens": [5, 6], "weights": weights},
         )
     ]
-    fb = tinker.types.ForwardBackwardInput(data=data, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.7, "mode": "x"})
+    fb = tinker.types.ForwardBackwardInput(
+        data=data, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.7, "mode": "x"}
+    )
     request = tinker.types.ForwardBackwardRequest(forward_backward_input=fb, model_id="s:train:0", seq_id=7)
     model_id, seq, loss_fn, config, forward_only, got = decode_forward_backward(
         forward_backward_request_to_proto(request).SerializeToString()
