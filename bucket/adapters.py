@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from bucket import layout
+from bucket.reading import read_pointer
 from bucket.store import BucketError, NotFound, Store
 from bucket.version import Version
 
@@ -113,18 +114,38 @@ def publish(
 
 
 def commit_marker(store: Store, version: Version, root: str = layout.ADAPTERS) -> dict[str, Any] | None:
+    """The version's COMMITTED.json (None: not committed); AdapterCorrupt when it is not a marker."""
+    key = f"{version_key(version, root)}/{layout.COMMIT_MARKER}"
     try:
-        return store.get_json(f"{version_key(version, root)}/{layout.COMMIT_MARKER}")
+        marker = store.get_json(key)
     except NotFound:
         return None
+    if not isinstance(marker, dict):
+        raise AdapterCorrupt(f"{store.url}/{key} holds a JSON {type(marker).__name__}, not a commit marker")
+    return marker
+
+
+def marker_files(store: Store, version: Version, marker: dict[str, Any], root: str = layout.ADAPTERS) -> dict[str, Any]:
+    """The marker's {file name: {"size", "sha256"}}, checked: AdapterCorrupt when a name is not a plain file name
+    of the version's folder (a "../" or "/" in it would read, mirror or load a file outside the version) or an
+    entry is not a size and a checksum."""
+    files = marker.get("files")
+    where = f"{store.url}/{version_key(version, root)}/{layout.COMMIT_MARKER}"
+    if not isinstance(files, dict) or not files:
+        raise AdapterCorrupt(f"{where} lists no files (its 'files' is {type(files).__name__}): not a commit marker")
+    for name, info in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
+            raise AdapterCorrupt(f"{where} names the file {name!r}: a marker lists only files of its own folder")
+        size = info.get("size") if isinstance(info, dict) else None
+        digest = info.get("sha256") if isinstance(info, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
+            raise AdapterCorrupt(f"{where}: the entry of {name!r} is {info!r}, not a size and a sha256")
+    return files
 
 
 def latest_version(store: Store, root: str = layout.ADAPTERS) -> Version | None:
-    """Newest committed version, from the LATEST pointer (one small read)."""
-    try:
-        return Version(store.get_json(f"{root}/LATEST.json")["version"])
-    except NotFound:
-        return None
+    """Newest committed version, from the LATEST pointer (one small read); BucketError when it names none."""
+    return read_pointer(store, f"{root}/LATEST.json")
 
 
 def newest_committed(store: Store, above: int = 0, root: str = layout.ADAPTERS) -> Version | None:
@@ -152,7 +173,7 @@ def read_verified(store: Store, version: Version, root: str = layout.ADAPTERS) -
     if marker is None:
         raise NotFound(f"adapter {key} is not committed")
     files = {}
-    for name, info in marker["files"].items():
+    for name, info in marker_files(store, version, marker, root).items():
         data = store.get_bytes(f"{key}/{name}")
         if len(data) != info["size"] or sha256(data) != info["sha256"]:
             raise AdapterCorrupt(

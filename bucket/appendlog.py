@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from bucket.store import Store
+from bucket.store import BucketError, NotFound, Store
 
 PARTITION = 1000
 _WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -82,10 +82,27 @@ class LogWriter:
 
 @dataclass(frozen=True)
 class Record:
+    """One record as read. `error` says why it could not be read (not JSON, not a JSON object): its body is then
+    {} and the reader skips it; the cursor still moves past it, so one bad record never wedges its reader."""
+
     writer: str
     seq: int
     key: str
     body: dict[str, Any]
+    error: str = ""
+
+
+def read_record(store: Store, writer: str, seq: int, key: str) -> Record:
+    """The record at `key`; NotFound when absent (a record that was listed and then removed)."""
+    try:
+        body = store.get_json(key)
+    except NotFound:
+        raise
+    except BucketError as exc:
+        return Record(writer, seq, key, {}, str(exc))
+    if not isinstance(body, dict):
+        return Record(writer, seq, key, {}, f"{store.url}/{key} holds a JSON {type(body).__name__}, not an object")
+    return Record(writer, seq, key, body)
 
 
 def writers(store: Store, prefix: str) -> list[str]:
@@ -122,7 +139,7 @@ def read_after(
             if seq not in present:
                 break
             key = record_key(prefix, writer, seq)
-            out.append(Record(writer, seq, key, store.get_json(key)))
+            out.append(read_record(store, writer, seq, key))
             seq += 1
             taken += 1
     return out

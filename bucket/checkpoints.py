@@ -33,8 +33,9 @@ import time
 from pydantic import BaseModel, Field, field_validator
 
 from bucket import adapters, layout
+from bucket.reading import read_model, read_model_or_none, read_pointer
 from bucket.rollouts import GroupId
-from bucket.store import NotFound, Store
+from bucket.store import Store
 from bucket.version import Version
 
 STATE = "state.json"
@@ -83,10 +84,7 @@ def point_latest(store: Store, version: Version) -> None:
 
 
 def _load(store: Store, version: Version) -> TrainerState | None:
-    try:
-        return TrainerState(**store.get_json(f"{version.checkpoint_key}/{STATE}"))
-    except NotFound:
-        return None
+    return read_model_or_none(store, f"{version.checkpoint_key}/{STATE}", TrainerState)
 
 
 def load_latest(store: Store) -> TrainerState | None:
@@ -100,7 +98,7 @@ def load_latest(store: Store) -> TrainerState | None:
             return state
     if version is None:
         return None
-    return TrainerState(**store.get_json(f"{version.checkpoint_key}/{STATE}"))
+    return read_model(store, f"{version.checkpoint_key}/{STATE}", TrainerState)
 
 
 def finish_publish(store: Store) -> Version | None:
@@ -131,10 +129,7 @@ def finish_publish(store: Store) -> Version | None:
 
 
 def _pointer(store: Store, key: str) -> Version | None:
-    try:
-        return Version(store.get_json(key)["version"])
-    except NotFound:
-        return None
+    return read_pointer(store, key)
 
 
 def load_file(store: Store, version: Version, name: str) -> bytes:
@@ -147,5 +142,5 @@ def lineage(store: Store) -> list[TrainerState]:
     state = load_latest(store)
     while state is not None:
         chain.append(state)
-        state = TrainerState(**store.get_json(f"{state.parent.checkpoint_key}/{STATE}")) if state.parent else None
+        state = read_model(store, f"{state.parent.checkpoint_key}/{STATE}", TrainerState) if state.parent else None
     return chain[::-1]

@@ -16,7 +16,8 @@ import time
 from pydantic import BaseModel, Field
 
 from bucket import layout
-from bucket.store import NotFound, Store
+from bucket.reading import read_model_or_none
+from bucket.store import Store
 
 
 class DataCursor(BaseModel):
@@ -34,7 +35,4 @@ def write_data_cursor(store: Store, cursor: DataCursor) -> None:
 
 
 def read_data_cursor(store: Store, worker: str) -> DataCursor | None:
-    try:
-        return DataCursor(**store.get_json(layout.data_cursor_key(worker)))
-    except NotFound:
-        return None
+    return read_model_or_none(store, layout.data_cursor_key(worker), DataCursor)

@@ -34,6 +34,9 @@ class EventKind(StrEnum):
     # trainer: stopped by SIGTERM / SIGINT once its step and publish were finished (signal, interrupted, step,
     # version, published_on_stop, stop_s; trainer/stopping.py)
     TRAINER_STOPPED = "trainer_stopped"
+    # trainer, after a publish that deleted something (trainer/retention.py): adapters (versions), checkpoints
+    # (versions whose optimizer state went), shards (how many), kept (the versions protected, and why)
+    RETENTION = "retention"
     # proxy: saw the new LATEST pointer, about to load it (older runs, and runs on a shared pool: rollout worker)
     DETECTED = "adapter_detected"
     FIRST_ROLLOUT = "adapter_first_rollout"  # rollout worker: first scored group of a version per replica (replica)
@@ -81,6 +84,7 @@ PUBLISHED = EventKind.PUBLISHED
 ADAPTER_REFUSED = EventKind.ADAPTER_REFUSED
 TRAIN_STEP = EventKind.TRAIN_STEP
 TRAINER_STOPPED = EventKind.TRAINER_STOPPED
+RETENTION = EventKind.RETENTION
 DETECTED = EventKind.DETECTED
 FIRST_ROLLOUT = EventKind.FIRST_ROLLOUT
 SHARD_WRITTEN = EventKind.SHARD_WRITTEN
@@ -146,8 +150,17 @@ class EventLog:
 
 def read_all(store: Store) -> list[dict[str, Any]]:
     """Every event of the run, oldest first (for summaries, dashboards and tests)."""
-    events = [r.body for r in appendlog.read_after(store, layout.EVENTS, {})]
+    # An unreadable record, or one without a numeric time, is left out: nothing could place it in the run.
+    events = [r.body for r in appendlog.read_after(store, layout.EVENTS, {}) if _timed(r)]
     return sorted(events, key=lambda e: e["ts"])
+
+
+def _timed(record: appendlog.Record) -> bool:
+    ts = record.body.get("ts")
+    if record.error or not isinstance(ts, int | float) or isinstance(ts, bool) or ts != ts:
+        log.warning("event %s is skipped: %s", record.key, record.error or f"its ts is {ts!r}, not a time")
+        return False
+    return True
 
 
 class EventTail:
@@ -172,4 +185,4 @@ class EventTail:
         records = appendlog.read_after(self.store, layout.EVENTS, self.cursors, limit, among=names)
         for r in records:
             self.cursors[r.writer] = r.seq
-        return [r.body for r in records]
+        return [r.body for r in records if _timed(r)]

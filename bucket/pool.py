@@ -25,9 +25,10 @@ import re
 import secrets
 import time
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from bucket import layout
+from bucket.reading import read_model
 from bucket.store import BucketError, NotFound, Store
 
 POOL_MANIFEST = "pool.json"
@@ -143,7 +144,7 @@ def init_pool(store: Store, pool_id: str, base_model: str) -> PoolManifest:
 
 def read_pool(store: Store) -> PoolManifest:
     try:
-        return PoolManifest(**store.get_json(POOL_MANIFEST))
+        return read_model(store, POOL_MANIFEST, PoolManifest)
     except NotFound:
         raise BucketError(
             f"{store.url}/{POOL_MANIFEST} is missing: this bucket is not a pool yet; run "
@@ -160,8 +161,8 @@ def new_token(store: Store, run_id: str) -> str:
 
 def read_token(store: Store, run_id: str) -> RunToken | None:
     try:
-        return RunToken(**store.get_json(token_key(run_id)))
-    except (NotFound, ValidationError):
+        return read_model(store, token_key(run_id), RunToken)
+    except BucketError:  # absent or unreadable: no token matches it
         return None
 
 
@@ -181,8 +182,8 @@ def read_runs(store: Store) -> dict[str, AttachedRun]:
         if not name.endswith(".json"):
             continue
         try:
-            run = AttachedRun(**store.get_json(f"{RUNS}/{name}"))
-        except (NotFound, ValidationError, ValueError):
+            run = read_model(store, f"{RUNS}/{name}", AttachedRun)
+        except BucketError:  # absent, or unreadable: one bad entry never hides the others
             continue
         runs[run.run_id] = run
     return runs

@@ -12,7 +12,8 @@ import time
 from pydantic import BaseModel, Field
 
 from bucket import layout
-from bucket.store import NotFound, Store
+from bucket.reading import read_model_or_none
+from bucket.store import Store
 
 
 class TrainerProgress(BaseModel):
@@ -44,10 +45,7 @@ def write_progress(store: Store, progress: TrainerProgress) -> None:
 
 
 def read_progress(store: Store) -> TrainerProgress | None:
-    try:
-        return TrainerProgress(**store.get_json(layout.TRAINER_PROGRESS))
-    except NotFound:
-        return None
+    return read_model_or_none(store, layout.TRAINER_PROGRESS, TrainerProgress)
 
 
 def mark_done(store: Store, done: TrainerDone) -> None:
@@ -60,7 +58,4 @@ def clear_done(store: Store) -> None:
 
 
 def read_done(store: Store) -> TrainerDone | None:
-    try:
-        return TrainerDone(**store.get_json(layout.TRAINER_DONE))
-    except NotFound:
-        return None
+    return read_model_or_none(store, layout.TRAINER_DONE, TrainerDone)

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from pydantic import BaseModel
 
 from bucket import layout
-from bucket.store import NotFound, Store
+from bucket.reading import read_model
+from bucket.store import BucketError, Store
 from bucket.version import Version
 
 
@@ -72,8 +73,8 @@ def heartbeat(store: Store, info: ReplicaInfo) -> None:
 def read(store: Store, replica_id: str) -> ReplicaInfo | None:
     """One replica's registration as written last, None when it is not registered (or mid-rewrite)."""
     try:
-        return ReplicaInfo(**store.get_json(key(replica_id)))
-    except (NotFound, ValueError):
+        return read_model(store, key(replica_id), ReplicaInfo)
+    except BucketError:  # absent, or unreadable (a rewrite in progress on a mount)
         return None
 
 
@@ -90,8 +91,8 @@ def list_replicas(store: Store, known: Mapping[str, ReplicaInfo] | None = None) 
         if not name.endswith(".json"):
             continue
         try:
-            out.append(ReplicaInfo(**store.get_json(f"{layout.REPLICAS}/{name}")))
-        except (NotFound, ValueError):
+            out.append(read_model(store, f"{layout.REPLICAS}/{name}", ReplicaInfo))
+        except BucketError:  # absent, or unreadable (one bad entry never hides the others)
             last = (known or {}).get(name[: -len(".json")])
             if last is not None:
                 out.append(last)  # mid-rewrite: liveness still times out if the beat stops changing
@@ -127,8 +128,8 @@ def write_drain(store: Store, entry: DrainRelease) -> None:
 def read_drain(store: Store, info: ReplicaInfo) -> DrainRelease | None:
     """The proxy's word on this incarnation of a draining replica, None while it has said nothing."""
     try:
-        entry = DrainRelease(**store.get_json(drain_key(info.replica_id)))
-    except (NotFound, ValueError):
+        entry = read_model(store, drain_key(info.replica_id), DrainRelease)
+    except BucketError:  # absent, or unreadable: no word yet
         return None
     return entry if entry.started_at == info.started_at else None
 

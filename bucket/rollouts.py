@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from bucket import appendlog, layout
 from bucket.store import BucketError, Store
+
+# What a shard's numbers may be. A NaN or infinite logprob or reward would turn the whole step's loss, and then the
+# adapter, into NaN; a negative token id indexes the embedding from its end. Python's json reads NaN and Infinity,
+# so the shard's model is what refuses them. (Ids past the model's vocabulary: `parse_shard`'s `vocab_size`.)
+TokenId = Annotated[int, Field(ge=0)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class SamplingParams(BaseModel):
@@ -74,11 +80,11 @@ class Sample(BaseModel):
     single-turn shards stay as small as before.
     """
 
-    completion_ids: list[int]
+    completion_ids: list[TokenId]
     # vLLM's logprob of each sampled token under the adapter version that generated it: the denominator of the
     # trainer's importance ratio. One entry per completion token; at masked positions (loss_mask 0) the value is
     # never read (writers put 0.0 there).
-    logprobs: list[float]
+    logprobs: list[Finite]
     loss_mask: list[int] | None = Field(
         None,
         description="one per completion token: 1 = sampled by the model and trained, 0 = template, environment or "
@@ -92,7 +98,7 @@ class Sample(BaseModel):
     # The text reward functions are given: the completion's text, or for an episode the decoded stream after
     # the prompt (replies and the messages between them).
     text: str
-    reward: float
+    reward: Finite
     finish_reason: str | None = None
     replica: str = Field("", description="replica that generated it (proxy's x-brigade-replica header)")
     # What the replica said served it (vLLM's `model` field): the base model or "<run_id>-v000007". A shared
@@ -171,13 +177,13 @@ class Sample(BaseModel):
 class ScoredGroup(BaseModel):
     prompt_id: str
     prompt: str
-    prompt_ids: list[int]
+    prompt_ids: list[TokenId]
     adapter_version: int = Field(
         description="0 = base model, else the version every sample's first turn was generated with (an "
         "episode's version: the trainer's staleness counts from it; per-request versions are in Sample.turns)"
     )
     sampling: SamplingParams
-    samples: list[Sample]
+    samples: list[Sample] = Field(min_length=1)
     generated_at: float = Field(default_factory=time.time)
     extra: dict[str, Any] = Field(default_factory=dict, description="dataset columns, for reading a run; not trained")
 
@@ -241,17 +247,30 @@ class ShardRead:
         return [(GroupId(self.record.key, i), g) for i, g in enumerate(self.shard.groups)] if self.shard else []
 
 
-def parse_shard(record: appendlog.Record) -> ShardRead:
-    """Nothing here is unpickled: shards are plain JSON, validated field by field."""
+def parse_shard(record: appendlog.Record, vocab_size: int | None = None) -> ShardRead:
+    """Nothing here is unpickled: shards are plain JSON, validated field by field. `vocab_size` (the trainer's
+    model's): a token id at or past it is refused too, as the embedding lookup would fail on it mid-step."""
+    if record.error:
+        return ShardRead(record, None, record.error)
     try:
-        return ShardRead(record, RolloutShard(**record.body))
+        shard = RolloutShard(**record.body)
     except (ValidationError, TypeError) as exc:
         return ShardRead(record, None, f"{exc}")
+    if vocab_size is not None:
+        for i, g in enumerate(shard.groups):
+            top = max([*g.prompt_ids, *(t for s in g.samples for t in s.completion_ids)], default=-1)
+            if top >= vocab_size:
+                return ShardRead(
+                    record, None, f"group {i} holds token id {top}, outside the model's vocabulary of {vocab_size}"
+                )
+    return ShardRead(record, shard)
 
 
-def read_shards(store: Store, cursors: dict[str, int], limit: int | None = None) -> list[ShardRead]:
+def read_shards(
+    store: Store, cursors: dict[str, int], limit: int | None = None, vocab_size: int | None = None
+) -> list[ShardRead]:
     """Shards after the given per-worker cursors (last seq read, -1 for none), validated; `limit` is per worker."""
-    return [parse_shard(r) for r in appendlog.read_after(store, layout.ROLLOUTS, cursors, limit)]
+    return [parse_shard(r, vocab_size) for r in appendlog.read_after(store, layout.ROLLOUTS, cursors, limit)]
 
 
 def read_groups(store: Store, ids: list[GroupId]) -> list[tuple[GroupId, ScoredGroup]]:
@@ -261,8 +280,7 @@ def read_groups(store: Store, ids: list[GroupId]) -> list[tuple[GroupId, ScoredG
     for gid in ids:
         if gid.shard_key not in by_shard:
             writer, seq = appendlog.parse_record_key(layout.ROLLOUTS, gid.shard_key)
-            record = appendlog.Record(writer, seq, gid.shard_key, store.get_json(gid.shard_key))
-            by_shard[gid.shard_key] = parse_shard(record)
+            by_shard[gid.shard_key] = parse_shard(appendlog.read_record(store, writer, seq, gid.shard_key))
         read = by_shard[gid.shard_key]
         if read.shard is None or gid.index >= len(read.shard.groups):
             raise BucketError(

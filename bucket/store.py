@@ -168,8 +168,9 @@ class Store:
         data = self.get_bytes(key)
         try:
             return json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise BucketError(f"{self.url}/{key} is not valid JSON: {exc}") from exc
+        # ValueError: not JSON, or not UTF-8 (UnicodeDecodeError); RecursionError: nested deeper than Python's stack
+        except (ValueError, RecursionError) as exc:
+            raise BucketError(f"{self.url}/{key} is not valid JSON: {str(exc)[:200]}") from exc
 
     def _fresh(self, path: str) -> None:
         # fsspec backends other than s3 (gcsfs, hf) may keep a listings cache; we poll for objects

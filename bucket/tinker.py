@@ -30,7 +30,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from bucket.store import NotFound, Store
+from bucket.store import BucketError, NotFound, Store
 
 ROOT = "tinker/models"
 _M = TypeVar("_M", bound=BaseModel)
@@ -228,6 +228,10 @@ def read_applied(store: Store, model_id: str) -> TinkerApplied | None:
 
 def _read(store: Store, key: str, cls: type[_M]) -> _M | None:
     try:
-        return cls.model_validate_json(store.get_bytes(key))
+        data = store.get_bytes(key)
     except NotFound:
         return None
+    try:
+        return cls.model_validate_json(data)
+    except ValueError as exc:  # pydantic's ValidationError: not JSON, or not a `cls`
+        raise BucketError(f"{store.url}/{key} is not a valid {cls.__name__}: {str(exc)[:500]}") from exc

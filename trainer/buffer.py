@@ -34,8 +34,9 @@ def sampled_versions(group: ScoredGroup) -> tuple[int, int]:
 
 
 class RolloutBuffer:
-    def __init__(self, store: Store, max_staleness: int):
-        self.store, self.max_staleness = store, max_staleness
+    def __init__(self, store: Store, max_staleness: int, vocab_size: int | None = None):
+        # vocab_size: the model's embedding rows; a shard holding a token id past them is invalid (never trained)
+        self.store, self.max_staleness, self.vocab_size = store, max_staleness, vocab_size
         self.cursors: dict[str, int] = {}
         self.queue: collections.deque[tuple[GroupId, ScoredGroup]] = collections.deque()
         self.dropped: list[GroupId] = []
@@ -50,7 +51,7 @@ class RolloutBuffer:
     def poll(self, current_version: int, max_shards: int | None = None) -> int:
         """Read new shards; drop (and record) groups outside the staleness window. Returns groups added."""
         added = 0
-        for read in read_shards(self.store, self.cursors, limit=max_shards):
+        for read in read_shards(self.store, self.cursors, limit=max_shards, vocab_size=self.vocab_size):
             self.cursors[read.record.writer] = read.record.seq
             if read.shard is None:
                 # Recorded and skipped: raising would crash every restart on the same shard.

@@ -40,6 +40,7 @@ from trainer.model import (
     optimizer_bytes,
 )
 from trainer.packing import VARLEN, attention_kernel, causal_lm, needs_exact_attention
+from trainer.retention import Retention
 from trainer.rows import FLEX_BLOCK, build, row_quantum, row_tokens, rows
 from trainer.schedule import lr_at
 from trainer.stopping import StopRequest, hold_publish
@@ -73,7 +74,10 @@ class Trainer:
             log.info("GPU attention: %s%s; token budget %d", kernel, varlen, self.token_budget)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.learning_rate, weight_decay=0.0)
-        self.buffer = RolloutBuffer(store, manifest.max_staleness)
+        # the embedding's rows, not config.vocab_size: what a token id must index (multimodal configs nest the latter)
+        vocab = causal_lm(self.model).get_input_embeddings().num_embeddings
+        self.buffer = RolloutBuffer(store, manifest.max_staleness, vocab_size=vocab)
+        self.retention = Retention(store, manifest.spec(), self.events)  # after each publish (trainer/retention.py)
         self.version = Version(0)  # the last version published (0 = nothing yet)
         self.step = 0
         self.published_step = 0  # the step of the last version published (or resumed from)
@@ -308,6 +312,8 @@ class Trainer:
         self.trained, self.skipped = [], []
         self.buffer.clear_records()
         self.write_progress()  # the new version and where it starts: rollout workers pace by them at once
+        # last: deletes only what this publish's checkpoint (and the live versions) no longer need
+        self.retention.after_publish()
 
     def stopped(self, published: list[int]) -> None:
         """The `trainer_stopped` event and log line: which signal, what it interrupted, what was finished."""
