@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from bucket import layout
 from bucket.store import BucketError, NotFound, Store
@@ -67,6 +67,45 @@ class RunSpec(BaseModel):
         "them) or tinker (a Tinker API client's: the proxy serves /api/v1, the trainer executes the client's "
         "operations from the bucket; docs/tinker.md).",
     )
+    # Retention is in [run], not [trainer]: the trainer alone deletes (trainer/retention.py), but what may vanish
+    # is every job's business. Readers of the bucket (mirrors, the proxy, audits, summaries) must know which
+    # objects a run keeps; a restarted trainer must not quietly turn an audited run (keep_rollouts) into one that
+    # deletes; and keep_adapters is checked against max_staleness, which lives here.
+    keep_adapters: int = Field(
+        8,
+        ge=0,
+        description="Adapter versions kept in the bucket: the newest this many, plus every version the proxy holds "
+        "live (proxy/live.json) and every kept checkpoint's; older ones are deleted by the trainer after each "
+        "publish. At least max_staleness + 2 (the proxy's window and the version being loaded; unset, it is raised to "
+        "that); 0 = keep every version. 8 with the default max_staleness 4: two versions of margin for a proxy "
+        "that lags.",
+    )
+    keep_checkpoints: int = Field(
+        2,
+        ge=1,
+        description="Checkpoints a restart can resume from (their optimizer state): the newest this many; older "
+        "ones keep only their ledger (state.json, a few KB: what they consumed), which audits read. 2: the newest, "
+        "and the one before should the newest's adapter be unreadable.",
+    )
+    keep_rollouts: bool = Field(
+        False,
+        description="Keep every rollout shard. Off (the default): a shard is deleted once the oldest kept checkpoint "
+        "has consumed it (shards carry every token id and logprob: the bulk of a long run's bucket). On: audits "
+        "(infra/audit.py) and anything else that reads every shard after the run.",
+    )
+
+    @model_validator(mode="after")
+    def _keep_covers_window(self) -> RunSpec:
+        window = self.max_staleness + 2
+        if "keep_adapters" not in self.model_fields_set and 0 < self.keep_adapters < window:
+            self.keep_adapters = window  # the default follows a wide window instead of refusing it
+        elif 0 < self.keep_adapters < window:
+            raise ValueError(
+                f"keep_adapters ({self.keep_adapters}) must be at least max_staleness + 2 = {window}: the proxy serves "
+                "the newest max_staleness + 1 versions and loads one more, whose files must not vanish under it. "
+                f"Set --run.keep-adapters {window} or more, or 0 to keep every version."
+            )
+        return self
 
 
 class RunManifest(RunSpec):

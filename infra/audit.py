@@ -62,6 +62,20 @@ def _ledger(store: Store, scored: dict[str, ScoredGroup], read: set[str]) -> dic
     }
 
 
+def _deleted_by_retention(evs: list[dict[str, Any]]) -> dict[int, float]:
+    """Versions the trainer's retention deleted (trainer/retention.py), with the commit time their publish event
+    recorded: they were committed, and count as such. A run that deleted shards cannot be audited: the ledger
+    would name groups no shard holds any more, so it is refused with what to do."""
+    removed = [e for e in evs if e["kind"] == events.RETENTION]
+    if any(e.get("shards") for e in removed):
+        raise ValueError(
+            "this run deleted consumed rollout shards (run.keep_rollouts is false), so its ledger cannot be checked "
+            "against them: audit a run started with --run.keep-rollouts true"
+        )
+    published = {e["version"]: float(e.get("committed_at") or e["ts"]) for e in evs if e["kind"] == events.PUBLISHED}
+    return {v: published.get(v, 0.0) for e in removed for v in e.get("adapters", ())}
+
+
 def _loads(evs: list[dict[str, Any]], committed_at: dict[int, float]) -> dict[str, Any]:
     """Every load the proxy made was of a committed version, after its commit; no version was published twice."""
     published = collections.Counter(e["version"] for e in evs if e["kind"] == events.PUBLISHED)
@@ -220,6 +234,7 @@ def audit(store: Store) -> dict[str, Any]:
         for v in adapters.committed_versions(store)
     }
     evs = events.read_all(store)
+    committed |= _deleted_by_retention(evs)
     group_size = read_manifest(store).num_generations
     joined = joins(evs)
     mixed = _mixed(scored, evs, set(committed), group_size)

@@ -146,6 +146,9 @@ def run(config: Config) -> int:
     # a model the trainer cannot train right is refused first, before any replica spends its start-up on it
     check_model(config.trainer.model_path, config.run.lora_target_modules, "brigade local")
     print(describe(), flush=True)  # what the CPU has decides how fast all of this runs
+    if "keep_rollouts" not in config.run.model_fields_set:
+        # the run's summary.json and plot read every shard: a local run keeps them unless told otherwise
+        config = config.model_copy(update={"run": config.run.model_copy(update={"keep_rollouts": True})})
     if config.local.api == "tinker":  # a service for a Tinker API client: no rollout worker, no data to check
         return _serve_tinker(config)
     config, sizing = size_for_cpu(config)  # before config.toml is written: the jobs read the sized values

@@ -74,6 +74,8 @@ def _config(bucket: str, model_dir: str, runs_dir: str, task: str = "sums") -> C
             "local.base_port": base_port,
             "run.num_generations": 4,
             "run.max_staleness": 2,
+            # retention on (adapters, checkpoints), shards kept: the audit reads every one (infra/audit.py)
+            "run.keep_rollouts": True,
             "trainer.model_path": model_dir,
             "trainer.max_steps": 100_000,  # the run ends when the chaos does
             "trainer.weight_sync_steps": 1,

@@ -37,6 +37,7 @@ STEPS = 4  # one shard of 2 groups per step; a version after each step, v1 the u
 def _start(store: Store, model_dir: str, log_path: str, hold: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainer", "--bucket", store.url, "--trainer.model-path", model_dir]
     cmd += ["--run.num-generations", str(G), "--run.max-staleness", "8", "--trainer.max-steps", str(STEPS)]
+    cmd += ["--run.keep-rollouts", "true"]  # the audit reads every shard
     cmd += ["--trainer.groups-per-step", "2", "--trainer.weight-sync-steps", "1", "--trainer.torch-threads", "1"]
     cmd += ["--trainer.dtype", "float32", "--trainer.metrics", "false", "--trainer.rollout-wait-s", "60"]
     env = {k: v for k, v in os.environ.items() if k != HOLD_PUBLISH_ENV} | {"OMP_NUM_THREADS": "1"}
@@ -92,7 +93,7 @@ def _stopped_events(store: Store) -> list[dict]:
 def test_stopped_mid_publish_by_each_signal_then_restarted_exactly_once(tmp_path, model_dir, base_model):  # noqa: F811
     store = Store(str(tmp_path / "bucket"))
     store.check_reachable(create=True)
-    init_or_check(store, RunSpec(num_generations=G, max_staleness=8), "test")
+    init_or_check(store, RunSpec(num_generations=G, max_staleness=8, keep_rollouts=True), "test")
     rng, writer = random.Random(3), ShardWriter(store, "w0")
     for _ in range(STEPS):
         writer.write([_group(base_model, rng, 0), _group(base_model, rng, 0)])
