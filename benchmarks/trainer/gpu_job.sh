@@ -56,7 +56,7 @@ ls -la /tmp/m
 export PYTHONPATH=$KEEP/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 # The run's own trainer settings (brigade local's defaults for the sums task), on cuda: bf16, compiled layers.
-timeout 540 python3 -m trainer --bucket.url /tmp/bucket --trainer.model-path /tmp/m \
+timeout 420 python3 -m trainer --bucket.url /tmp/bucket --trainer.model-path /tmp/m \
     --trainer.max-steps "$MAX_STEPS" --trainer.learning-rate 0.001 --trainer.lr-scheduler-type cosine \
     --trainer.groups-per-step 4 --trainer.weight-sync-steps 1 --trainer.rollout-wait-s 30 \
     --trainer.metrics false 2>&1 | tee "$OUT/trainer.log"
