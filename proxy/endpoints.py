@@ -75,7 +75,7 @@ async def _json_body(request: Request) -> Any:
     """The request's JSON, or None when it is not JSON (the handler answers 400 with a reason)."""
     try:
         return await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack ("[[[[...")
         return None
 
 

@@ -26,7 +26,7 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 async def _json(request: Request) -> Any:
     try:
         return json.loads(await request.body())
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack ("[[[[...")
         return None
 
 

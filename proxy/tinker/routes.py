@@ -40,8 +40,8 @@ def authorized(api_key: str | None, token: str) -> bool:
 async def _json(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        raise Refused(f"{request.url.path} takes a JSON body ({exc})") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+        raise Refused(f"{request.url.path} takes a JSON body ({str(exc)[:200]})") from exc
     if not isinstance(body, dict):
         raise Refused(f"{request.url.path} takes a JSON object")
     return body

@@ -1,0 +1,197 @@
+"""The proxy's HTTP API fuzzed in-process: every route it serves, hostile bodies, paths and tokens (hypothesis).
+
+Library: hypothesis, not schemathesis. schemathesis derives requests from an OpenAPI schema, but the hot path
+(/v1/completions, /v1/chat/completions: proxy/serving/httpserver.py in production) and the Tinker routes (one
+catch-all under /api/v1 speaking protobuf or JSON) are not in the FastAPI schema, so it would miss exactly the
+routes with the most parsing; and it is a second large framework for what hypothesis already gives here. Instead
+the routes are enumerated from the app itself (every path and method it serves, the raw generation routes too),
+and hypothesis draws the method, path parameters, body (hostile JSON, mutated valid bodies, junk bytes) and the
+token (none, wrong, right), with a fixed seed.
+
+What must hold: no answer is a 5xx from the proxy itself (a bad request is a 4xx with a message), the proxy keeps
+answering, and no replica is ever told to load a path outside the run's adapter folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bucket import adapters
+from bucket.manifest import RunSpec, init_or_check
+from proxy.app import Proxy
+from tests.fuzz.hostile import JSON_VALUES, encode, mutated
+from tests.helpers import free_port
+from tests.proxy.seams import HttpxGeneration, asgi_app
+from tests.proxy.test_proxy_fanout import ADAPTER_FILES, FakeReplica, HostDispatch, config
+
+TOKEN = "s3cret"
+ROOT = "/replica/adapters"
+
+
+@contextmanager
+def _served(app: Any) -> Iterator[str]:
+    """`app` on a loopback port by uvicorn in a thread (the fuzzer's examples are plain sync calls)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _routes(app: Any) -> list[tuple[str, str]]:
+    out = []
+    for r in app.routes:
+        for m in sorted(getattr(r, "methods", None) or {"POST"}):
+            if m != "HEAD":
+                out.append((m, r.path))
+    return sorted(set(out))
+
+
+def _valid_bodies(manifest: Any) -> dict[str, Any]:
+    name = manifest.lora_name(1)
+    return {
+        "/v1/completions": {"model": name, "prompt": "hi", "max_tokens": 4, "n": 2, "logprobs": 1, "seed": 1},
+        "/v1/chat/completions": {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        "/v1/load_lora_adapter": {"lora_name": manifest.lora_name(1), "lora_path": "adapters/v000001"},
+        "/v1/unload_lora_adapter": {"lora_name": name},
+        "/api/v1/create_session": {"tags": [], "user_metadata": {}, "sdk_version": "0.1"},
+        "/api/v1/create_model": {
+            "session_id": "s",
+            "model_seq_id": 0,
+            "base_model": manifest.base_model,
+            "lora_config": {"rank": 1},
+        },  # fmt: skip
+        "/api/v1/forward_backward": {"model_id": "m", "seq_id": 1, "forward_backward_input": {}},
+        "/api/v1/retrieve_future": {"request_id": "m#1"},
+    }
+
+
+PATH_PARAMS = st.sampled_from(["a", "../../etc/passwd", "..", "%2e%2e", "x" * 300, "0", "-1", "v000001", " "])
+
+
+def _request(draw: st.DrawFn, routes: list[tuple[str, str]], valid: dict[str, Any]) -> tuple[str, str, bytes, dict]:
+    method, path = draw(st.sampled_from(routes))
+    while "{" in path:  # fill every path parameter with a hostile value
+        a, b = path.index("{"), path.index("}")
+        path = path[:a] + quote(draw(PATH_PARAMS), safe="") + path[b + 1 :]
+    base = valid.get(path.rstrip("/"), {"model": "m"})
+    body = draw(
+        st.one_of(
+            st.just(encode(base)), mutated(base).map(encode), JSON_VALUES.map(encode),
+            st.binary(max_size=40), st.just(b"[" * 20_000),
+        )
+    )  # fmt: skip
+    auth = draw(st.sampled_from([None, "Bearer wrong", f"Bearer {TOKEN}", "tml-wrong", f"tml-{TOKEN}"]))
+    headers = {"content-type": "application/json"}
+    if auth is not None:
+        headers["authorization" if auth.startswith("Bearer") else "x-api-key"] = auth
+    return method, path, body, headers
+
+
+def _replica_answer(fake: FakeReplica | None, method: str, path: str, body: bytes, headers: dict) -> int:
+    """What the replica itself answers to the request (the proxy relays a passthrough answer's status as is)."""
+    if fake is None:
+        return 0
+
+    async def ask() -> int:
+        transport = httpx.ASGITransport(app=fake.app)
+        async with httpx.AsyncClient(transport=transport, base_url=fake.url) as c:
+            return (await c.request(method, path, content=body, headers=headers)).status_code
+
+    return asyncio.run(ask())
+
+
+def _fuzz(
+    url: str, routes: list[tuple[str, str]], valid: dict[str, Any], examples: int, fake: FakeReplica | None = None
+) -> None:
+    with httpx.Client(base_url=url, timeout=20) as client:
+
+        @settings(derandomize=True, max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(data=st.data())
+        def fuzz(data: st.DataObject) -> None:
+            method, path, body, headers = _request(data.draw, routes, valid)
+            r = client.request(method, path, content=body, headers=headers)
+            if r.status_code >= 500 and _replica_answer(fake, method, path, body, headers) == r.status_code:
+                return  # the test's stand-in replica failed on it, and the proxy relayed that (vLLM answers 400)
+            if path.startswith("/pause") and r.status_code == 200:  # held generations would wait out the lease
+                client.post("/resume", headers={"authorization": f"Bearer {TOKEN}"})
+            assert r.status_code < 500, f"{method} {path} {body[:200]!r} -> {r.status_code} {r.text[:300]}"
+
+        fuzz()
+        # still serving (a proxy with no replicas says so with 503, as /health does before the first registers)
+        assert client.get("/health").status_code == (200 if fake is not None else 503)
+
+
+def test_the_run_proxy_answers_hostile_requests_with_4xx(tmp_path, monkeypatch):
+    from bucket.store import Store
+
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", TOKEN)
+    store = Store(str(tmp_path / "run"))
+    store.check_reachable(create=True)
+    manifest = init_or_check(store, RunSpec(), "test")
+    adapters.publish(store, 1, ADAPTER_FILES)
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+    proxy = Proxy(config(fakes), store, manifest, static_adapter_root=ROOT, transport=HostDispatch(
+        {f.name: f for f in fakes}), send_generations=HttpxGeneration)  # fmt: skip
+    app = asgi_app(proxy)
+    with _served(app) as url:
+        # /tokenize and /detokenize are relayed to a replica unparsed: the stand-in's own answer is not the proxy's
+        routes = [(m, p) for m, p in _routes(app) if "tokenize" not in p]
+        _fuzz(url, routes, _valid_bodies(manifest), examples=120, fake=fakes[0])
+    for f in fakes:  # a replica was only ever told the run's own version folders
+        assert all(p.startswith(f"{ROOT}/v") and ".." not in p for p in f.loaded.values()), f.loaded
+
+
+def test_the_tinker_proxy_answers_hostile_requests_with_4xx(tmp_path, monkeypatch):
+    from bucket.store import Store
+
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", TOKEN)
+    store = Store(str(tmp_path / "tinker"))
+    store.check_reachable(create=True)
+    manifest = init_or_check(store, RunSpec(api="tinker"), "test")
+    proxy = Proxy(config([]), store, manifest)
+    app = asgi_app(proxy)
+    names = ["create_session", "session_heartbeat", "create_model", "get_info", "forward_backward", "forward",
+             "optim_step", "save_weights_for_sampler", "save_weights", "load_weights", "retrieve_future",
+             "asample", "create_sampling_session", "get_server_capabilities", "healthz", "no_such_call"]  # fmt: skip
+    routes = [("POST", f"/api/v1/{n}") for n in names] + [("GET", f"/api/v1/{n}") for n in names[-3:]]
+    with _served(app) as url:
+        _fuzz(url, routes, _valid_bodies(manifest), examples=120)
+
+
+def test_a_body_nested_deeper_than_the_stack_is_a_400(tmp_path, monkeypatch):
+    """The fuzzer's finding: json.loads raises RecursionError (not a ValueError) on "[[[[...", which was a 500."""
+    from bucket.store import Store
+
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", TOKEN)
+    store = Store(str(tmp_path / "run"))
+    store.check_reachable(create=True)
+    manifest = init_or_check(store, RunSpec(), "test")
+    with _served(asgi_app(Proxy(config([]), store, manifest))) as url:
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        r = httpx.post(f"{url}/v1/load_lora_adapter", content=b"[" * 20_000, headers=auth)
+        assert 400 <= r.status_code < 500, r.text
+    store = Store(str(tmp_path / "tinker"))
+    store.check_reachable(create=True)
+    with _served(asgi_app(Proxy(config([]), store, init_or_check(store, RunSpec(api="tinker"), "t")))) as url:
+        r = httpx.post(f"{url}/api/v1/create_session", content=b"[" * 20_000, headers={"x-api-key": f"tml-{TOKEN}"})
+        assert r.status_code == 400 and "JSON" in r.text, r.text
