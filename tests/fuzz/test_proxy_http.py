@@ -195,3 +195,71 @@ def test_a_body_nested_deeper_than_the_stack_is_a_400(tmp_path, monkeypatch):
     with _served(asgi_app(Proxy(config([]), store, init_or_check(store, RunSpec(api="tinker"), "t")))) as url:
         r = httpx.post(f"{url}/api/v1/create_session", content=b"[" * 20_000, headers={"x-api-key": f"tml-{TOKEN}"})
         assert r.status_code == 400 and "JSON" in r.text, r.text
+
+
+def test_one_runs_token_never_changes_another_runs_objects_in_a_pool(tmp_path, monkeypatch):
+    """A pool proxy (docs/pool.md) with runs a and b attached, each with version 1 pushed: every route, fuzzed with
+    run b's token, a wrong one or none, on run a's paths (and hostile run ids) never succeeds or breaks."""
+    from bucket import pool
+    from bucket.store import Store
+    from proxy.config import ProxyConfig
+    from tests.proxy.test_pool_admission import ADMIN_TOKEN, make_pool
+
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", ADMIN_TOKEN)
+    store = Store(str(tmp_path / "pool"))
+    store.check_reachable(create=True)
+    tokens = make_pool(store, {"r0": 8, "r1": 8})
+    fakes = [FakeReplica("r0"), FakeReplica("r1")]
+    cfg = ProxyConfig(pool=True, refresh_s=0.05, replica_timeout_s=60, load_retry_s=5.0, unload_idle_s=0.0)
+    proxy = Proxy(cfg, store, None, transport=HostDispatch({f.name: f for f in fakes}),
+                  send_generations=HttpxGeneration, pool=pool.read_pool(store))  # fmt: skip
+    app = asgi_app(proxy)
+    routes = [(m, p) for m, p in _routes(app) if "tokenize" not in p]
+    with _served(app) as url, httpx.Client(base_url=url, timeout=20) as client:
+        deadline = time.monotonic() + 10
+        while len(proxy.routable) < 2:
+            assert time.monotonic() < deadline, "the fake replicas never became routable"
+            time.sleep(0.05)
+        for run in ("a", "b"):
+            r = client.post(f"/pool/runs/{run}", json={"base_model": "base", "max_staleness": 1}, headers=tokens[run])
+            assert r.status_code == 201, r.text
+            for name, data in ADAPTER_FILES.items():
+                put = client.put(f"/pool/runs/{run}/adapters/v000001/{name}", content=data, headers=tokens[run])
+                assert put.status_code == 200, put.text
+            marker = adapters.marker_for(adapters.Version(1), ADAPTER_FILES)
+            commit = client.post(f"/pool/runs/{run}/adapters/v000001/commit", json=marker, headers=tokens[run])
+            assert commit.status_code == 200, commit.text
+        before = {k: store.get_bytes(k) for k in _objects_of(store, "a")}
+
+        @settings(derandomize=True, max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(data=st.data())
+        def fuzz(data: st.DataObject) -> None:
+            method, path = data.draw(st.sampled_from(routes))
+            while "{" in path:
+                a, b = path.index("{"), path.index("}")
+                value = data.draw(st.sampled_from(["a", "a", "../a", "a/../b", "A", "v000001", "adapter_config.json"]))
+                path = path[:a] + quote(value, safe="") + path[b + 1 :]
+            valid = {"model": "a-v000001", "prompt": [1, 2], "max_tokens": 2, "lora_name": "a-v000001",
+                     "lora_path": "adapters/a/v000001", "base_model": "base", "max_staleness": 1}  # fmt: skip
+            body = data.draw(st.one_of(mutated(valid).map(encode), st.just(encode(valid)), JSON_VALUES.map(encode)))
+            headers = data.draw(st.sampled_from([tokens["b"], {"Authorization": "Bearer nope"}, {}]))
+            r = client.request(method, path, content=body, headers={"content-type": "application/json", **headers})
+            assert r.status_code < 500, f"{method} {path} {body[:200]!r} -> {r.status_code} {r.text[:300]}"
+            if "/a" in path or "a-v" in body.decode(errors="replace"):
+                # run a's objects, by run b's token or none: never a success that changes something
+                assert not (r.status_code < 300 and method in ("PUT", "DELETE", "POST") and "/pool/runs/a" in path), (
+                    f"{method} {path} with {headers} -> {r.status_code} {r.text[:300]}"
+                )
+
+        fuzz()
+        assert {k: store.get_bytes(k) for k in _objects_of(store, "a")} == before
+        assert "a" in pool.read_runs(store)
+    for f in fakes:  # nothing was loaded but the runs' own version folders
+        assert all(".." not in p for p in f.loaded.values()), f.loaded
+
+
+def _objects_of(store: Any, run: str) -> list[str]:
+    from bucket import pool
+
+    folder = pool.adapters_folder(run)
+    return [f"{folder}/v000001/{n}" for n in [*ADAPTER_FILES, "COMMITTED.json"]]
