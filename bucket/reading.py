@@ -19,14 +19,19 @@ from bucket.version import BadVersion, Version
 M = TypeVar("M", bound=BaseModel)
 
 
+class InvalidObject(BucketError, ValueError):
+    """An object that is there but is not what its key holds. A ValueError too: callers written for pydantic's
+    ValidationError (a ValueError) keep catching it."""
+
+
 def parse_model(store: Store, key: str, data: Any, cls: type[M]) -> M:
     """`data` (read from `key`) as a `cls`; BucketError when it is not one."""
     if not isinstance(data, dict):
-        raise BucketError(f"{store.url}/{key} holds a JSON {type(data).__name__}, not the object a {cls.__name__} is")
+        raise InvalidObject(f"{store.url}/{key} holds a JSON {type(data).__name__}, not the object a {cls.__name__} is")
     try:
         return cls(**data)
     except (ValidationError, TypeError, ValueError) as exc:
-        raise BucketError(f"{store.url}/{key} is not a valid {cls.__name__}: {str(exc)[:500]}") from exc
+        raise InvalidObject(f"{store.url}/{key} is not a valid {cls.__name__}: {str(exc)[:500]}") from exc
 
 
 def read_model(store: Store, key: str, cls: type[M]) -> M:
@@ -52,4 +57,4 @@ def read_pointer(store: Store, key: str) -> Version | None:
     try:
         return Version(data["version"])
     except (TypeError, KeyError, BadVersion) as exc:
-        raise BucketError(f'{store.url}/{key} is not a version pointer ({{"version": n}}): {exc}') from exc
+        raise InvalidObject(f'{store.url}/{key} is not a version pointer ({{"version": n}}): {exc}') from exc

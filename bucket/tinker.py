@@ -30,7 +30,8 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from bucket.store import BucketError, NotFound, Store
+from bucket.reading import InvalidObject
+from bucket.store import NotFound, Store
 
 ROOT = "tinker/models"
 _M = TypeVar("_M", bound=BaseModel)
@@ -234,4 +235,4 @@ def _read(store: Store, key: str, cls: type[_M]) -> _M | None:
     try:
         return cls.model_validate_json(data)
     except ValueError as exc:  # pydantic's ValidationError: not JSON, or not a `cls`
-        raise BucketError(f"{store.url}/{key} is not a valid {cls.__name__}: {str(exc)[:500]}") from exc
+        raise InvalidObject(f"{store.url}/{key} is not a valid {cls.__name__}: {str(exc)[:500]}") from exc

@@ -8,11 +8,16 @@ trainer, which the main loop keeps under `max_unconsumed_groups`.
 
 from __future__ import annotations
 
+import logging
+
 from bucket import events
 from bucket.events import EventLog
 from bucket.progress import TrainerProgress, read_progress
+from bucket.reading import InvalidObject
 from bucket.rollouts import ScoredGroup, ShardWriter
 from bucket.store import Store
+
+log = logging.getLogger("brigade.rollout_worker")
 
 
 class ShardOutput:
@@ -42,7 +47,11 @@ class ShardOutput:
             )
 
     def read_trainer_cursor(self) -> None:
-        progress = read_progress(self.store)
+        try:
+            progress = read_progress(self.store)
+        except InvalidObject as exc:  # the trainer rewrites it every step: pace by the last one read meanwhile
+            log.warning("%s; pacing by the trainer's progress read before", exc)
+            return
         if progress is not None:
             self.progress = progress
             self.trainer_cursor = progress.cursor(self.writer.worker)

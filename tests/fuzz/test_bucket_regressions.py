@@ -85,3 +85,16 @@ def test_an_invalid_object_is_a_bucket_error_and_one_bad_replica_hides_no_other(
     local_store.put_bytes(f"{layout.REPLICAS}/worse.json", b"\x80")
     assert [r.replica_id for r in replicas.list_replicas(local_store)] == ["ok"]
     assert replicas.read(local_store, "bad") is None
+
+
+def test_a_rollout_worker_paces_by_the_last_progress_while_the_file_is_invalid(local_store: Store):
+    # was a ValidationError (now InvalidObject) out of the worker's pacing read: the worker died
+    from bucket.events import EventLog
+    from rollout_worker.shards import ShardOutput
+
+    out = ShardOutput(local_store, "w", 1, EventLog(local_store, "rollout_worker"))
+    progress.write_progress(local_store, progress.TrainerProgress(step=3, version=1, cursors={"w": 7}))
+    out.read_trainer_cursor()
+    local_store.put_json(layout.TRAINER_PROGRESS, {"step": "three"})
+    out.read_trainer_cursor()
+    assert out.trainer_cursor == 7 and out.progress is not None and out.progress.step == 3
