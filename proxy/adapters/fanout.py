@@ -87,7 +87,10 @@ class AdapterFanout:
             return await self._import(name, exc.folder)
         except BadAdapterPath as exc:
             return error_response(400, str(exc))
-        marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
+        try:
+            marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
+        except adapters.AdapterCorrupt as exc:  # a marker that is no marker: nothing of that version is loaded
+            return error_response(409, str(exc))
         if marker is None:
             return error_response(
                 409,

@@ -263,3 +263,24 @@ def _objects_of(store: Any, run: str) -> list[str]:
 
     folder = pool.adapters_folder(run)
     return [f"{folder}/v000001/{n}" for n in [*ADAPTER_FILES, "COMMITTED.json"]]
+
+
+def test_a_load_of_a_version_whose_marker_is_no_marker_is_a_409(tmp_path, monkeypatch):
+    """A COMMITTED.json holding a list (or anything but a marker) was a 500 from the load endpoint."""
+    from bucket import layout
+    from bucket.store import Store
+
+    monkeypatch.setenv("BRIGADE_PROXY_ADMIN_TOKEN", TOKEN)
+    store = Store(str(tmp_path / "run"))
+    store.check_reachable(create=True)
+    manifest = init_or_check(store, RunSpec(), "test")
+    adapters.publish(store, 1, ADAPTER_FILES)
+    store.put_json(f"{adapters.version_key(adapters.Version(1))}/{layout.COMMIT_MARKER}", [1, 2])
+    fakes = [FakeReplica("r0")]
+    proxy = Proxy(config(fakes), store, manifest, static_adapter_root=ROOT, transport=HostDispatch(
+        {f.name: f for f in fakes}), send_generations=HttpxGeneration)  # fmt: skip
+    with _served(asgi_app(proxy)) as url:
+        body = {"lora_name": manifest.lora_name(1), "lora_path": "adapters/v000001"}
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 409 and "not a commit marker" in r.text, r.text
+    assert fakes[0].loaded == {}
