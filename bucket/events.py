@@ -34,8 +34,8 @@ class EventKind(StrEnum):
     # trainer: stopped by SIGTERM / SIGINT once its step and publish were finished (signal, interrupted, step,
     # version, published_on_stop, stop_s; trainer/stopping.py)
     TRAINER_STOPPED = "trainer_stopped"
-    # trainer, after a publish that deleted something (trainer/retention.py): adapters (versions), checkpoints
-    # (versions whose optimizer state went), shards (how many), kept (the versions protected, and why)
+    # trainer, after a publish that deleted something (trainer/retention.py): adapters (committed versions),
+    # abandoned (never-committed version folders), checkpoints (versions whose optimizer state went), shards (count)
     RETENTION = "retention"
     # proxy: saw the new LATEST pointer, about to load it (older runs, and runs on a shared pool: rollout worker)
     DETECTED = "adapter_detected"

@@ -13,12 +13,17 @@ trainer/checkpoints/v000001/...            trainer, before the adapter's COMMITT
 trainer/LATEST.json                        trainer, after the checkpoint
 trainer/progress.json                      trainer, every step: its cursors (rollout workers' backpressure)
 trainer/DONE.json                          trainer, when it reached max_steps
+trainer/retention.json                     trainer: how far its retention has gone (trainer/retention.py)
 rollout_workers/<worker>/data_cursor.json  rollout worker, after every shard: where it is in its prompts
 proxy/live.json                            proxy, when its live adapters change; read by replica mirrors
 proxy/drains/<replica_id>.json             proxy, when it sees a replica draining and again when nothing of its
                                            traffic is left there (released); read by that replica's sidecar
 
 Version folders (v000001) and the keys, names and paths built from them: bucket/version.py.
+
+Deletion has one owner, the trainer, after each publish (trainer/retention.py, [run] keep_adapters,
+keep_checkpoints, keep_rollouts): old adapter versions (COMMITTED.json first, so a half-deleted version
+reads as abandoned), old checkpoints' optimizer state (state.json stays: the ledger), consumed shards.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ CHECKPOINTS = "trainer/checkpoints"
 CHECKPOINT_LATEST = "trainer/LATEST.json"
 TRAINER_PROGRESS = "trainer/progress.json"
 TRAINER_DONE = "trainer/DONE.json"
+RETENTION = "trainer/retention.json"
 ROLLOUT_WORKERS = "rollout_workers"
 PROXY_LIVE = "proxy/live.json"
 PROXY_DRAINS = "proxy/drains"

@@ -49,7 +49,7 @@ from bucket.version import Version
 log = logging.getLogger("brigade.trainer")
 
 OPTIMIZER_FILE = "optimizer.safetensors"  # trainer/model.py's name; not imported from there, which pulls torch
-WATERMARK = "trainer/retention.json"  # the trainer's own bookkeeping: read and written only by it
+WATERMARK = layout.RETENTION  # the trainer's own bookkeeping: read and written only by it
 
 
 class Watermark(BaseModel):
@@ -60,12 +60,13 @@ class Watermark(BaseModel):
 class Removed:
     """What one pass deleted."""
 
-    adapters: list[Version] = field(default_factory=list)
+    adapters: list[Version] = field(default_factory=list)  # committed versions
+    abandoned: list[Version] = field(default_factory=list)  # folders never committed (or half-deleted before)
     checkpoints: list[Version] = field(default_factory=list)
     shards: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.adapters or self.checkpoints or self.shards)
+        return bool(self.adapters or self.abandoned or self.checkpoints or self.shards)
 
 
 class Retention:
@@ -87,6 +88,7 @@ class Retention:
             self.events.emit(
                 events.RETENTION,
                 adapters=[int(v) for v in removed.adapters],
+                abandoned=[int(v) for v in removed.abandoned],
                 checkpoints=[int(v) for v in removed.checkpoints],
                 shards=removed.shards,
             )
@@ -99,7 +101,7 @@ class Retention:
             return Removed()  # nothing a restart could resume from yet: nothing is known to be consumed
         removed = Removed()
         if self.spec.keep_adapters:
-            removed.adapters = self._adapters(committed, {s.version for s in kept_states})
+            removed.adapters, removed.abandoned = self._adapters(committed, {s.version for s in kept_states})
         removed.checkpoints = self._checkpoints(min(s.version for s in kept_states))
         if not self.spec.keep_rollouts:
             removed.shards = self._shards(kept_states)
@@ -146,16 +148,20 @@ class Retention:
             return Watermark()  # unreadable bookkeeping: start over from the first checkpoint (only slower)
 
     # -- adapters -------------------------------------------------------------------------------------------
-    def _adapters(self, committed: list[Version], checkpoint_versions: set[Version]) -> list[Version]:
+    def _adapters(
+        self, committed: list[Version], checkpoint_versions: set[Version]
+    ) -> tuple[list[Version], list[Version]]:
+        """(committed versions deleted, abandoned folders deleted)."""
         newest = sorted(committed)[-self.spec.keep_adapters :]
         if not newest:
-            return []
+            return [], []
         live = self._live()
         if live is None:
-            return []
+            return [], []
         keep = set(newest) | set(live) | checkpoint_versions
         cut = min(newest)
-        gone = []
+        gone: list[Version] = []
+        abandoned: list[Version] = []
         for version in sorted(Version.among(self.store.list(layout.ADAPTERS))):
             if version >= cut:
                 break
@@ -165,8 +171,8 @@ class Retention:
             # the marker first: from here on every reader sees an abandoned number, never missing files
             self.store.delete(f"{key}/{layout.COMMIT_MARKER}")
             self.store.delete(key)
-            gone.append(version)
-        return gone
+            (gone if version in committed else abandoned).append(version)
+        return gone, abandoned
 
     def _live(self) -> list[Version] | None:
         """The proxy's live versions; [] when it has written none; None when it cannot be read now."""

@@ -17,6 +17,7 @@ from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
 from bucket.store import Store
 from bucket.version import Version
+from infra.audit import audit
 from infra.config import load
 from replica.mirror import AdapterMirror
 from tests.trainer.test_trainer import G, _group, base_model  # noqa: F401 - base_model is a fixture
@@ -87,6 +88,8 @@ def test_trainer_keeps_newest_live_and_checkpoint_versions_and_resumes_exactly_o
     assert trained == [f"{_shard('w0', i)}#0" for i in range(7)]  # each once, in order
     assert adapters.committed_versions(store) == [3, 7, 8]
     assert [store.exists(_shard("w0", i)) for i in range(7)] == [False] * 6 + [True]
+    with pytest.raises(ValueError, match="--run.keep-rollouts true"):  # its ledger names shards that are gone
+        audit(store)
 
 
 def _sample_group(version: int) -> ScoredGroup:
@@ -138,9 +141,12 @@ def test_shards_kept_for_pending_groups_and_each_workers_newest(tmp_path):
 def test_keep_rollouts_keeps_every_shard(tmp_path):
     spec = SPEC.model_copy(update={"keep_rollouts": True})
     store = _run_bucket(tmp_path, spec)
-    removed = retention.Retention(store, spec).after_publish()
+    removed = retention.Retention(store, spec, events.EventLog(store, "trainer")).after_publish()
     assert removed.shards == 0 and removed.adapters == [1, 2, 3, 4]
     assert all(store.exists(_shard(w, i)) for w, n in (("w0", 10), ("w1", 4)) for i in range(n))
+    # the audit still sees every version committed: the deleted ones from the retention event
+    checked = audit(store)
+    assert checked["versions_committed"] == 6 and checked["lineage_matches_commits"], checked
 
 
 def test_half_deleted_version_reads_as_absent_and_unreadable_live_deletes_no_adapter(tmp_path):
@@ -155,7 +161,7 @@ def test_half_deleted_version_reads_as_absent_and_unreadable_live_deletes_no_ada
     assert retention.Retention(store, SPEC).after_publish().adapters == []
     live.write_live(store, [1])
     removed = retention.Retention(store, SPEC).after_publish()
-    assert removed.adapters == [2, 3, 4]  # 2's leftover folder too; 1 is live
+    assert removed.adapters == [3, 4] and removed.abandoned == [2]  # 2's leftover folder too; 1 is live
     assert sorted(Version.among(store.list(layout.ADAPTERS))) == [1, 5, 6]
 
 
