@@ -44,6 +44,8 @@ def local_run_cmd(bucket: str, runs_dir: str, model_dir: str) -> list[str]:
         "4",
         "--run.max-staleness",
         "2",
+        "--run.keep-rollouts",  # the audit reads every shard (test_e2e_mount.py runs the jobs without brigade local)
+        "true",
         "--trainer.max-steps",
         str(STEPS),
         "--trainer.weight-sync-steps",
