@@ -89,7 +89,7 @@ def base_url(config: Config) -> str:
 
 def cookbook_command(config: Config, api_key: str, log_path: str) -> str:
     """The tinker-cookbook arithmetic recipe against this service, offline: the model folder names the tokenizer
-    (the recipe loads it by `model_name`), the role_colon renderer needs no chat template, and a small batch."""
+    (the recipe loads it by `model_name`), the role_colon renderer needs no chat template, and batches a CPU runs."""
     url = base_url(config)
     env = f"TINKER_BASE_URL={url} TINKER_API_KEY={api_key} TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1"
     args = [
@@ -99,10 +99,11 @@ def cookbook_command(config: Config, api_key: str, log_path: str) -> str:
         f"model_name={shlex.quote(os.path.abspath(config.trainer.model_path))}",
         f"base_url={url}",
         f"lora_rank={config.run.lora_rank}",
-        "group_size=4",
+        # sizes that learn on a 2-core CPU in about a quarter of an hour (docs/tinker.md, benchmarks.tinker_loop)
+        "group_size=8",
         "groups_per_batch=8",
-        "learning_rate=1e-4",
-        "max_steps=20",
+        "learning_rate=5e-4",
+        "max_steps=24",
         f"log_path={shlex.quote(log_path)}",
         "behavior_if_log_dir_exists=delete",
     ]
