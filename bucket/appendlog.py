@@ -123,7 +123,11 @@ def read_after(
     under `prefix`, listed once).
 
     Writers write sequentially and each write is atomic, so the records after a
-    cursor are contiguous: reading stops at the first missing number.
+    cursor are contiguous: reading stops at the first missing number. The one
+    gap is at the front: the trainer's retention (trainer/retention.py) deletes
+    consumed shards oldest first, so a reader behind it (a summary, a dashboard
+    started late) starts at the oldest record left; the trainer itself never
+    reads behind its own deletions.
     """
     out: list[Record] = []
     for writer in writers(store, prefix) if among is None else among:
@@ -131,15 +135,35 @@ def read_after(
         present: set[int] = set()
         listed: set[int] = set()
         taken = 0
+        first = True  # a gap before the first record read is a deleted front, never a record still to come
         while limit is None or taken < limit:
             part = seq // PARTITION
             if part not in listed:
                 present |= set(_seqs_in_partition(store, prefix, writer, part))
                 listed.add(part)
             if seq not in present:
-                break
+                later = [s for s in present if s > seq] if first else []
+                if first and not later and writer not in cursors:  # whole partitions deleted: one more listing
+                    later = _oldest_after(store, prefix, writer, part)
+                if not later:
+                    break
+                seq = min(later)
+                continue
             key = record_key(prefix, writer, seq)
-            out.append(read_record(store, writer, seq, key))
+            try:
+                out.append(read_record(store, writer, seq, key))
+            except NotFound:  # deleted by retention between the listing and the read
+                pass
+            first = False
             seq += 1
             taken += 1
     return out
+
+
+def _oldest_after(store: Store, prefix: str, writer: str, part: int) -> list[int]:
+    """The records of the writer's first non-empty partition after `part` ([] when there is none)."""
+    for later in sorted(int(p) for p in store.list(f"{prefix}/{writer}") if p.isdigit() and int(p) > part):
+        seqs = _seqs_in_partition(store, prefix, writer, later)
+        if seqs:
+            return seqs
+    return []

@@ -14,7 +14,7 @@ import pytest
 from bucket import adapters, appendlog, checkpoints, events, layout, live
 from bucket.checkpoints import TrainerState
 from bucket.manifest import RunSpec, init_or_check
-from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter
+from bucket.rollouts import Sample, SamplingParams, ScoredGroup, ShardWriter, read_shards
 from bucket.store import Store
 from bucket.version import Version
 from infra.audit import audit
@@ -136,6 +136,21 @@ def test_shards_kept_for_pending_groups_and_each_workers_newest(tmp_path):
     assert [store.exists(_shard("w1", i)) for i in range(4)] == [False, False, False, True]
     assert removed.shards == 7 and removed.adapters == [1, 2, 3, 4] and removed.checkpoints == [1, 2, 3, 4]
     assert retention.Retention(store, SPEC).after_publish().shards == 0  # a second pass (another process) finds none
+    # a reader from the start (a summary, a dashboard opened late) reads what is left, from the oldest on
+    left = [(r.record.writer, r.record.seq) for r in read_shards(store, {})]
+    assert sorted(left) == [("w0", i) for i in range(4, 10)] + [("w1", 3)]
+
+
+def test_a_reader_from_the_start_skips_whole_deleted_partitions(tmp_path, monkeypatch):
+    monkeypatch.setattr(appendlog, "PARTITION", 2)  # 2 shards a partition, so that whole ones can go
+    store = Store(str(tmp_path / "bucket"))
+    writer = ShardWriter(store, "w0")
+    for _ in range(7):
+        writer.write([_sample_group(1)])
+    retention.Retention(store, SPEC)._delete_shards("w0", 4)  # partitions 0, 1 and shard 4 of partition 2
+    assert not store.exists(f"{layout.ROLLOUTS}/w0/000000") and not store.exists(f"{layout.ROLLOUTS}/w0/000001")
+    assert [r.record.seq for r in read_shards(store, {})] == [5, 6]
+    assert [r.record.seq for r in read_shards(store, {"w0": 5})] == [6]  # a reader past the deletions: as before
 
 
 def test_keep_rollouts_keeps_every_shard(tmp_path):
