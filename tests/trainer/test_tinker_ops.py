@@ -284,3 +284,18 @@ def test_refusals_are_user_errors_and_the_loop_goes_on(loop):
         status = tinker.read_status(loop.store, other)
         assert not status.ready and words in status.error, status.error
         assert loop.session is None
+
+
+def test_a_model_whose_objects_are_invalid_is_refused_and_the_loop_goes_on(loop):
+    """tests/fuzz found it: an invalid status.json or model.json (a bucket reader's InvalidObject) stopped the
+    trainer's scan; the model is refused with the reason, and the next model is held as usual."""
+    for name, junk in (("status.json", b"[1]"), ("model.json", b'{"model_id": 3}')):
+        bad = f"bad{name[0]}:train:0"
+        loop.store.put_bytes(tinker.model_key(bad, name), junk)
+        if name == "status.json":  # listed by its model.json
+            tinker.write_model(loop.store, TinkerModel(model_id=bad, session_id="s", base_model=BASE, rank=RANK))
+        loop.scan()
+        status = tinker.read_status(loop.store, bad)
+        assert status is not None and not status.ready and "invalid" in status.error, status
+    model_id = hold(loop)
+    assert loop.session is not None and loop.session.model_id == model_id

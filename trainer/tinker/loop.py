@@ -20,6 +20,7 @@ from typing import get_args
 from bucket import tinker
 from bucket.events import EventLog
 from bucket.manifest import RunManifest
+from bucket.reading import InvalidObject
 from bucket.store import Store
 from bucket.tinker import OpKind, TinkerModelStatus, TinkerResult
 from trainer.config import TrainerConfig
@@ -63,22 +64,34 @@ class TinkerLoop:
         for model_id in tinker.list_models(self.store):
             if model_id in self.settled or (self.session is not None and model_id == self.session.model_id):
                 continue
-            status = tinker.read_status(self.store, model_id)
-            if (status is not None and not status.ready) or tinker.read_finished(self.store, model_id) is not None:
-                self.settled.add(model_id)  # refused or finished: never looked at again
-                continue
-            if self.session is None:
-                self.take(model_id, resumed=status is not None)
-            elif status is None:
-                held = self.session.model_id
-                tinker.write_status(
-                    self.store,
-                    TinkerModelStatus(
-                        model_id=model_id,
-                        ready=False,
-                        error=f"this trainer holds one LoRA adapter at a time (model {held}); finish its session first",
-                    ),
-                )
+            try:
+                self._scan_one(model_id)
+            # one model's invalid objects never stop the trainer: it is refused (a bucket that cannot be reached,
+            # a BucketError but no InvalidObject, still stops it: that is not the model's fault)
+            except InvalidObject as exc:
+                log.error("tinker model %s is refused: %s", model_id, exc)
+                self.settled.add(model_id)
+                error = f"the model's objects in the bucket are invalid: {exc}"
+                tinker.write_status(self.store, TinkerModelStatus(model_id=model_id, ready=False, error=error))
+
+    def _scan_one(self, model_id: str) -> None:
+        """One model of the scan: settle it (refused or finished), take it, or refuse it while one is held."""
+        status = tinker.read_status(self.store, model_id)
+        if (status is not None and not status.ready) or tinker.read_finished(self.store, model_id) is not None:
+            self.settled.add(model_id)  # refused or finished: never looked at again
+            return
+        if self.session is None:
+            self.take(model_id, resumed=status is not None)
+        elif status is None:
+            held = self.session.model_id
+            tinker.write_status(
+                self.store,
+                TinkerModelStatus(
+                    model_id=model_id,
+                    ready=False,
+                    error=f"this trainer holds one LoRA adapter at a time (model {held}); finish its session first",
+                ),
+            )
 
     def take(self, model_id: str, resumed: bool) -> None:
         spec = tinker.read_model(self.store, model_id)
