@@ -81,6 +81,8 @@ def test_cookbook_arithmetic_recipe_runs_unchanged_against_brigade_local(tmp_pat
         str(bucket),
         model_dir,
         *("--local.api", "tinker", "--local.num-replicas", "1", "--proxy.port", str(free_port())),
+        # float32 matmuls: the loss check below compares with transformers' float32 forward to 2e-3
+        *("--trainer.dtype", "float32"),
         *("--local.base-port", str(listen_ports(2)), "--trainer.metrics-port", str(free_port())),
         *("--local.max-minutes", str(round(host_timeout(900) / 60))),  # a bound on a hang; the test stops it
     )
@@ -110,6 +112,8 @@ def test_cookbook_arithmetic_recipe_runs_unchanged_against_brigade_local(tmp_pat
             timeout=host_timeout(600),
         )
         assert recipe.returncode == 0, recipe.stdout[-3000:] + recipe.stderr[-6000:] + out.read_text()[-3000:]
+        # the recipe finished its session, so the trainer is free for another client's model
+        _sdk_losses_match_a_reference(env["TINKER_BASE_URL"], env["TINKER_API_KEY"], model_dir)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # how a service is stopped: exit 0 after stopping every job
@@ -133,7 +137,9 @@ def test_cookbook_arithmetic_recipe_runs_unchanged_against_brigade_local(tmp_pat
     # The bucket's record: one model, its operations executed in seq_id order with a result each (all ok), a
     # forward_backward and an optim_step per step, and the versions published for sampling.
     store = Store(str(bucket))
-    (model_id,) = tinker.list_models(store)
+    models = tinker.list_models(store)  # the recipe's, then the loss check's (session ids sort by creation)
+    assert len(models) == 2, models
+    model_id = models[0]
     assert tinker.read_status(store, model_id).ready
     ops = sorted(int(name.split(".")[0]) for name in store.list(tinker.model_key(model_id, "ops")))
     assert ops == list(range(ops[0], ops[0] + len(ops))), ops  # no gap: every seq_id, once
@@ -159,5 +165,51 @@ def test_cookbook_arithmetic_recipe_runs_unchanged_against_brigade_local(tmp_pat
     jobs = {p["job"]: p for p in summary["processes"]}
     assert set(jobs) == {"replica-0", "proxy", "trainer"}, summary["processes"]
     assert all(p["exit_code"] is not None for p in jobs.values()), summary["processes"]
-    assert summary["versions"] == sorted(published) and summary["models"] == [model_id], summary
-    assert "served 1 model(s)" in text, text[-2000:]
+    assert summary["versions"] == sorted(published) and summary["models"] == models, summary
+    assert "served 2 model(s)" in text, text[-2000:]
+
+
+def _sdk_losses_match_a_reference(base_url: str, api_key: str, model_dir: str) -> None:
+    """Through the real SDK, proxy, bucket and trainer: each supported loss's logprobs and `loss:sum` against the
+    same quantities computed here with transformers' plain forward. A new model's LoRA starts at zero (B = 0), so
+    its logprobs are the base model's, and no optim_step runs between the calls."""
+    import math
+
+    import tinker
+    import torch
+    from tinker import types
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("User: what is 17 + 25?\n\nAssistant: 17 + 25 = 42").input_ids
+    x, y = ids[:-1], ids[1:]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([x])).logits[0].double(), -1)[range(len(y)), y]
+    n = len(y)
+    weights = [0.0] * 6 + [1.0] * (n - 6)
+    old = (ref + torch.linspace(-0.3, 0.3, n, dtype=torch.float64)).tolist()  # a sampler a little off the trainer
+    adv = [0.0] * 6 + [1.5 if i % 2 else -0.5 for i in range(n - 6)]
+    ratio = torch.exp(ref - torch.tensor(old, dtype=torch.float64))
+    a = torch.tensor(adv, dtype=torch.float64)
+    lo, hi = 0.9, 1.1
+    expected = {
+        "cross_entropy": float(-(ref * torch.tensor(weights, dtype=torch.float64)).sum()),
+        "importance_sampling": float(-(ratio * a).sum()),
+        "ppo": float(-torch.minimum(ratio * a, ratio.clamp(lo, hi) * a).sum()),
+        "cispo": float(-(ratio.clamp(lo, hi) * ref * a).sum()),
+    }
+    with tinker.ServiceClient(base_url=base_url, api_key=api_key) as service:
+        training = service.create_lora_training_client(model_dir, rank=32)
+        for loss_fn, want in expected.items():
+            inputs = {"target_tokens": y, "weights": weights}
+            if loss_fn != "cross_entropy":
+                inputs = {"target_tokens": y, "logprobs": old, "advantages": adv}
+            config = {"clip_low_threshold": lo, "clip_high_threshold": hi} if loss_fn in ("ppo", "cispo") else None
+            datum = types.Datum(model_input=types.ModelInput.from_ints(x), loss_fn_inputs=inputs)
+            out = training.forward_backward([datum], loss_fn, loss_fn_config=config).result()
+            got = out.loss_fn_outputs[0]["logprobs"].tolist()
+            assert len(got) == n and max(abs(g - r) for g, r in zip(got, ref.tolist())) < 2e-3, (loss_fn, got)
+            assert math.isclose(out.metrics["loss:sum"], want, rel_tol=2e-3, abs_tol=2e-3), (loss_fn, out.metrics)
+        with pytest.raises(tinker.RequestFailedError, match="'dro' is not supported"):
+            training.forward_backward([datum], "dro").result()  # a loss the trainer does not implement: a user error
