@@ -130,12 +130,12 @@ class Retention:
         if mark.checkpoints_below >= oldest_kept:
             return []
         gone = []
-        for version in Version.among(self.store.list(layout.CHECKPOINTS)):
-            if mark.checkpoints_below <= version < oldest_kept:
-                key = f"{version.checkpoint_key}/{OPTIMIZER_FILE}"
-                if self.store.exists(key):
-                    self.store.delete(key)
-                    gone.append(version)
+        for number in range(mark.checkpoints_below, oldest_kept):  # by number: no listing of every checkpoint
+            version = Version(number)
+            key = f"{version.checkpoint_key}/{OPTIMIZER_FILE}"
+            if self.store.exists(key):
+                self.store.delete(key)
+                gone.append(version)
         self.store.put_json(WATERMARK, Watermark(checkpoints_below=int(oldest_kept)).model_dump())
         return gone
 
