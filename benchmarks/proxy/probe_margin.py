@@ -83,6 +83,17 @@ def start_replica(bucket: str, model_dir: str, tmp: str, vllm_args: str) -> tupl
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log.name
 
 
+def wait_for_replica(store: Store, proc: subprocess.Popen, log: str, timeout_s: float = 900) -> ReplicaInfo:
+    """The replica `start_replica` started, once it registered; exits with its log's end if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not replicas.list_replicas(store):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with open(log, errors="replace") as f:
+                sys.exit("the replica did not start; its log ends:\n" + "".join(f.readlines()[-30:]))
+        time.sleep(1)
+    return replicas.list_replicas(store)[0]
+
+
 async def judge_all(info: ReplicaInfo, cases: list[dict[str, Any]], store: Store) -> None:
     cfg = ProxyConfig()
     state = ProxyState(cfg, store, None, PrefixRouter(), ProxyMetrics())
@@ -147,14 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         proc, log = start_replica(store.url, model_dir, tmp, args.vllm_args)
         try:
-            deadline = time.monotonic() + 900
-            while not replicas.list_replicas(store):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    with open(log, errors="replace") as f:
-                        sys.exit("the replica did not start; its log ends:\n" + "".join(f.readlines()[-30:]))
-                time.sleep(1)
-            info = replicas.list_replicas(store)[0]
-            asyncio.run(judge_all(info, cases, store))
+            asyncio.run(judge_all(wait_for_replica(store, proc, log), cases, store))
         finally:
             proc.terminate()
             proc.wait(120)

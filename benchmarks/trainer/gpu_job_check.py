@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.proxy.probe_margin import _NoEvents, start_replica
+from benchmarks.proxy.probe_margin import _NoEvents, start_replica, wait_for_replica
 from benchmarks.report import with_cpu
-from bucket import adapters, replicas
+from bucket import adapters
 from bucket.canary import Canary, read_canary
 from bucket.events import read_all
 from bucket.replicas import ReplicaInfo
@@ -130,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = job_figures(store)
         proc, log = start_replica(store.url, model_dir, tmp, "")
         try:
-            deadline = time.monotonic() + 900
-            while not replicas.list_replicas(store):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    with open(log, errors="replace") as f:
-                        sys.exit("the replica did not start; its log ends:\n" + "".join(f.readlines()[-30:]))
-                time.sleep(1)
-            verdicts = asyncio.run(judge(replicas.list_replicas(store)[0], store, bucket_dir, versions))
+            verdicts = asyncio.run(judge(wait_for_replica(store, proc, log), store, bucket_dir, versions))
         finally:
             proc.terminate()
             proc.wait(120)
