@@ -43,7 +43,7 @@ from bucket.events import EventLog
 from bucket.live import LiveVersions
 from bucket.manifest import RunSpec
 from bucket.rollouts import GroupId
-from bucket.store import NotFound, Store
+from bucket.store import BucketError, NotFound, Store
 from bucket.version import Version
 
 log = logging.getLogger("brigade.trainer")
@@ -144,7 +144,7 @@ class Retention:
             return Watermark(**self.store.get_json(WATERMARK))
         except NotFound:
             return Watermark()
-        except (ValidationError, TypeError, ValueError):
+        except (BucketError, ValidationError, TypeError, ValueError):  # BucketError: not JSON at all
             return Watermark()  # unreadable bookkeeping: start over from the first checkpoint (only slower)
 
     # -- adapters -------------------------------------------------------------------------------------------

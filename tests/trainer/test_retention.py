@@ -141,6 +141,14 @@ def test_shards_kept_for_pending_groups_and_each_workers_newest(tmp_path):
     assert sorted(left) == [("w0", i) for i in range(4, 10)] + [("w1", 3)]
 
 
+def test_unreadable_watermark_starts_over_instead_of_stopping_checkpoint_retention(tmp_path):
+    store = _run_bucket(tmp_path, SPEC)
+    store.put_bytes(retention.WATERMARK, b"\xff\xfe not JSON")  # a torn or foreign write
+    removed = retention.Retention(store, SPEC).after_publish()
+    assert removed.checkpoints == [1, 2, 3, 4]  # counted from the first checkpoint again
+    assert store.get_json(retention.WATERMARK) == {"checkpoints_below": 5}
+
+
 def test_a_reader_from_the_start_skips_whole_deleted_partitions(tmp_path, monkeypatch):
     monkeypatch.setattr(appendlog, "PARTITION", 2)  # 2 shards a partition, so that whole ones can go
     store = Store(str(tmp_path / "bucket"))
