@@ -9,6 +9,8 @@ trainer executing these ops is tests/trainer's and the end-to-end tests'.
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import numpy as np
 import pytest
@@ -207,9 +209,18 @@ def test_a_silent_session_is_finished_and_a_restarted_proxy_still_answers_a_futu
     bucket). A request id names its op in the bucket, so a new proxy answers a future an old one handed out."""
     manifest = tinker_run(local_store)
     with OpAnswerer(local_store, answer):
-        first = Proxy(ProxyConfig(tinker_session_timeout_s=0.5), local_store, manifest)
+        first = Proxy(ProxyConfig(tinker_session_timeout_s=2.0), local_store, manifest)
         with serve_proxy(first) as url:
             session = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]
+            # heartbeats while the client works (on a busy host a call can take longer than the timeout), then none
+            silent = threading.Event()
+
+            def heartbeats() -> None:
+                while not silent.wait(0.1):
+                    httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session})
+
+            beating = threading.Thread(target=heartbeats, daemon=True)
+            beating.start()
             body = {"session_id": session, "model_seq_id": 0, "base_model": manifest.base_model}
             created = httpx.post(f"{url}/api/v1/create_model", json=body | {"lora_config": {"rank": 1}}).json()
             model_id = created["model_id"]
@@ -218,7 +229,10 @@ def test_a_silent_session_is_finished_and_a_restarted_proxy_still_answers_a_futu
             step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.01}}
             future = httpx.post(f"{url}/api/v1/optim_step", json=step).json()
             assert future["request_id"] == bt.request_id(model_id, 1)
-            wait_for(lambda: bt.read_finished(local_store, model_id), 10, "the silent session to be finished")
+            assert bt.read_finished(local_store, model_id) is None  # alive while it heartbeats
+            silent.set()
+            beating.join()
+            wait_for(lambda: bt.read_finished(local_store, model_id), 20, "the silent session to be finished")
             assert httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
         second = Proxy(ProxyConfig(), local_store, manifest)
         with serve_proxy(second) as url:
