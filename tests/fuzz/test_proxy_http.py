@@ -15,15 +15,11 @@ answering, and no replica is ever told to load a path outside the run's adapter 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote
 
 import httpx
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,30 +27,12 @@ from bucket import adapters
 from bucket.manifest import RunSpec, init_or_check
 from proxy.app import Proxy
 from tests.fuzz.hostile import JSON_VALUES, encode, mutated
-from tests.helpers import free_port
 from tests.proxy.seams import HttpxGeneration, asgi_app
 from tests.proxy.test_proxy_fanout import ADAPTER_FILES, FakeReplica, HostDispatch, config
+from tests.proxy.tinker_helpers import serve_app
 
 TOKEN = "s3cret"
 ROOT = "/replica/adapters"
-
-
-@contextmanager
-def _served(app: Any) -> Iterator[str]:
-    """`app` on a loopback port by uvicorn in a thread (the fuzzer's examples are plain sync calls)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the proxy did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def _routes(app: Any) -> list[tuple[str, str]]:
@@ -153,7 +131,7 @@ def test_the_run_proxy_answers_hostile_requests_with_4xx(tmp_path, monkeypatch):
     proxy = Proxy(config(fakes), store, manifest, static_adapter_root=ROOT, transport=HostDispatch(
         {f.name: f for f in fakes}), send_generations=HttpxGeneration)  # fmt: skip
     app = asgi_app(proxy)
-    with _served(app) as url:
+    with serve_app(app, "critical") as url:
         # /tokenize and /detokenize are relayed to a replica unparsed: the stand-in's own answer is not the proxy's
         routes = [(m, p) for m, p in _routes(app) if "tokenize" not in p]
         _fuzz(url, routes, _valid_bodies(manifest), examples=120, fake=fakes[0])
@@ -174,7 +152,7 @@ def test_the_tinker_proxy_answers_hostile_requests_with_4xx(tmp_path, monkeypatc
              "optim_step", "save_weights_for_sampler", "save_weights", "load_weights", "retrieve_future",
              "asample", "create_sampling_session", "get_server_capabilities", "healthz", "no_such_call"]  # fmt: skip
     routes = [("POST", f"/api/v1/{n}") for n in names] + [("GET", f"/api/v1/{n}") for n in names[-3:]]
-    with _served(app) as url:
+    with serve_app(app, "critical") as url:
         _fuzz(url, routes, _valid_bodies(manifest), examples=120)
 
 
@@ -186,13 +164,15 @@ def test_a_body_nested_deeper_than_the_stack_is_a_400(tmp_path, monkeypatch):
     store = Store(str(tmp_path / "run"))
     store.check_reachable(create=True)
     manifest = init_or_check(store, RunSpec(), "test")
-    with _served(asgi_app(Proxy(config([]), store, manifest))) as url:
+    with serve_app(asgi_app(Proxy(config([]), store, manifest)), "critical") as url:
         auth = {"authorization": f"Bearer {TOKEN}"}
         r = httpx.post(f"{url}/v1/load_lora_adapter", content=b"[" * 20_000, headers=auth)
         assert 400 <= r.status_code < 500, r.text
     store = Store(str(tmp_path / "tinker"))
     store.check_reachable(create=True)
-    with _served(asgi_app(Proxy(config([]), store, init_or_check(store, RunSpec(api="tinker"), "t")))) as url:
+    with serve_app(
+        asgi_app(Proxy(config([]), store, init_or_check(store, RunSpec(api="tinker"), "t"))), "critical"
+    ) as url:
         r = httpx.post(f"{url}/api/v1/create_session", content=b"[" * 20_000, headers={"x-api-key": f"tml-{TOKEN}"})
         assert r.status_code == 400 and "JSON" in r.text, r.text
 
@@ -215,7 +195,7 @@ def test_one_runs_token_never_changes_another_runs_objects_in_a_pool(tmp_path, m
                   send_generations=HttpxGeneration, pool=pool.read_pool(store))  # fmt: skip
     app = asgi_app(proxy)
     routes = [(m, p) for m, p in _routes(app) if "tokenize" not in p]
-    with _served(app) as url, httpx.Client(base_url=url, timeout=20) as client:
+    with serve_app(app, "critical") as url, httpx.Client(base_url=url, timeout=20) as client:
         deadline = time.monotonic() + 10
         while len(proxy.routable) < 2:
             assert time.monotonic() < deadline, "the fake replicas never became routable"
@@ -279,7 +259,7 @@ def test_a_load_of_a_version_whose_marker_is_no_marker_is_a_409(tmp_path, monkey
     fakes = [FakeReplica("r0")]
     proxy = Proxy(config(fakes), store, manifest, static_adapter_root=ROOT, transport=HostDispatch(
         {f.name: f for f in fakes}), send_generations=HttpxGeneration)  # fmt: skip
-    with _served(asgi_app(proxy)) as url:
+    with serve_app(asgi_app(proxy), "critical") as url:
         body = {"lora_name": manifest.lora_name(1), "lora_path": "adapters/v000001"}
         r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 409 and "not a commit marker" in r.text, r.text

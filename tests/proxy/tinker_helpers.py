@@ -25,8 +25,16 @@ def serve_proxy(proxy: Any) -> Iterator[str]:
     """Serve `proxy` (proxy.app.Proxy) with uvicorn on a free loopback port in a thread; yields its base URL."""
     from proxy.app import create_app
 
+    with serve_app(create_app(proxy)) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """An ASGI app on a free loopback port, served by uvicorn in a thread (the SDK and the fuzzer call it from plain
+    sync code); yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(proxy), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
