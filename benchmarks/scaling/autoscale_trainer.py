@@ -14,14 +14,13 @@ compared group by group.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from benchmarks.scaling.sync_simulated import synthetic_canary
+from benchmarks.scaling.sync_simulated import simulated_adapter_files, synthetic_canary
 from bucket import adapters, events, progress
 from bucket.canary import canary_meta
 from bucket.events import EventLog
@@ -134,7 +133,6 @@ class SimTrainer(threading.Thread):
 
     def _publish(self) -> None:
         version = adapters.claim_version(self.store, owner=self.events.writer)
-        files = {"adapter_model.safetensors": b"simulated", "adapter_config.json": json.dumps({"r": 1}).encode()}
-        adapters.publish(self.store, version, files, canary_meta(synthetic_canary(int(version))))
+        adapters.publish(self.store, version, simulated_adapter_files(), canary_meta(synthetic_canary(int(version))))
         self.version = version
         self.events.emit(events.PUBLISHED, version=version, step=self.step)

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -59,6 +60,15 @@ def synthetic_canary(seed: int) -> Canary:
     adapter = [min(-1e-3, b + rng.gauss(0, 0.06)) for b in base]
     ids = [rng.randrange(300, 40000) for _ in range(24 + 52)]
     return Canary(prompt_ids=ids[:24], completion_ids=ids[24:], adapter_logprobs=adapter, base_logprobs=base)
+
+
+def simulated_adapter_files() -> dict[str, bytes]:
+    """A version's files: a real (tiny, finite) safetensors file, since the proxy reads the weights before any
+    load (proxy/adapters/weights_check.py); the simulated replicas never look inside it."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    weights = struct.pack("<Q", len(header)) + header + struct.pack("<f", 0.5)
+    return {"adapter_model.safetensors": weights, "adapter_config.json": json.dumps({"r": 1}).encode()}
 
 
 def _error(status: int, message: str) -> tuple[int, bytes]:
@@ -299,7 +309,7 @@ class Bench:
 
     async def publish_and_wait(self, seed: int, timeout_s: float = 120) -> dict[str, Any]:
         """Commit one version; its adapter_loaded_all event (and when it went live) once the proxy wrote it."""
-        files = {"adapter_model.safetensors": b"simulated", "adapter_config.json": json.dumps({"r": 1}).encode()}
+        files = simulated_adapter_files()
         version = await asyncio.to_thread(adapters.claim_version, self.store, "bench")
         meta = canary_meta(synthetic_canary(seed))
         marker = await asyncio.to_thread(adapters.publish, self.store, version, files, meta)
