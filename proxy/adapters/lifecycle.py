@@ -31,10 +31,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from bucket import adapters, events
 from bucket.canary import read_canary
+from bucket.store import Store
 from bucket.version import Version
 from proxy.adapters import weights_check
 from proxy.adapters.adapter_import import MARKER_FIELD
@@ -124,37 +126,47 @@ class AdapterLifecycle:
 
     async def step(self) -> None:
         """One look: load the newest committed version if it is new, then unload what left the window unused."""
-        latest = await asyncio.to_thread(adapters.latest_version, self.state.store)
-        if latest is not None:
-            self.latest = Version(latest)
-        newest = self.newest()
-        if (
-            self.latest is not None
-            and (newest is None or self.latest > newest)
-            and self.latest not in self._not_ours
-            and self.latest not in self.refused
-            and time.monotonic() >= self._retry_at
-            and self.state.routable
-        ):
+        # One trip off the loop reads LATEST and, when it names a version to load, its marker and weights too: with
+        # hundreds of replicas the loop and the GIL are busy forwarding, and each trip waited its turn for both
+        # (three trips were most of a sync's detection at 256 simulated replicas, benchmarks/scaling/sync_simulated.py).
+        look = await asyncio.to_thread(self._look, self.newest())
+        if look is not None and self.state.routable:
             async with self._loads:
-                if self.latest not in self.run_versions():
-                    await self._load(self.latest)
+                if look.version not in self.run_versions():
+                    await self._load(look.version, look)
         await self._unload_stale()
 
-    async def _load(self, version: Version) -> None:
+    def _look(self, newest: Version | None) -> _Look | None:
+        """In a thread: the newest committed version and, when the watch should load it, what loading it needs."""
+        latest = adapters.latest_version(self.state.store)
+        if latest is None:
+            return None
+        self.latest = Version(latest)
+        if (
+            (newest is not None and self.latest <= newest)
+            or self.latest in self._not_ours
+            or self.latest in self.refused
+            or time.monotonic() < self._retry_at
+            or not self.state.routable
+        ):
+            return None
+        return _read_version(self.state.store, self.latest)
+
+    async def _load(self, version: Version, look: _Look | None = None) -> None:
         manifest = self.state.manifest
         assert manifest is not None
-        marker = await asyncio.to_thread(adapters.commit_marker, self.state.store, version)
+        if look is None:
+            look = await asyncio.to_thread(_read_version, self.state.store, version)
+        marker = look.marker
         if marker is None:  # LATEST moves only after a commit: a read racing a rewrite; read again
             return
         if MARKER_FIELD in marker:
             self._not_ours.add(version)
             return
-        reason = await asyncio.to_thread(weights_check.refusal, self.state.store, version)
-        if reason is not None:
-            self.refused[version] = reason
-            log.error("adapter %s is not loaded on any replica: %s", version.folder, reason)
-            await self.events.emit(events.ADAPTER_REFUSED, version=int(version), reason=reason)
+        if look.refusal is not None:
+            self.refused[version] = look.refusal
+            log.error("adapter %s is not loaded on any replica: %s", version.folder, look.refusal)
+            await self.events.emit(events.ADAPTER_REFUSED, version=int(version), reason=look.refusal)
             return
         ad = AdapterRef(version.lora_name(manifest.run_id), version, read_canary(marker))
         received, started_at = time.monotonic(), time.time()
@@ -179,6 +191,23 @@ class AdapterLifecycle:
         manifest = self.state.manifest
         assert manifest is not None
         await unload_stale(self.state, self.fanout, self.run_versions(), manifest.max_staleness, self.pins)
+
+
+@dataclass(frozen=True)
+class _Look:
+    """What loading a committed version needs from the bucket: its marker (None: not committed after all) and
+    why its files must not be loaded (weights_check), read together off the loop."""
+
+    version: Version
+    marker: dict[str, Any] | None
+    refusal: str | None
+
+
+def _read_version(store: Store, version: Version) -> _Look:
+    marker = adapters.commit_marker(store, version)
+    if marker is None or MARKER_FIELD in marker:  # a client's import is not checked here: the client loads it
+        return _Look(version, marker, None)
+    return _Look(version, marker, weights_check.refusal(store, version))
 
 
 def versions_of(loaded: dict[str, AdapterRef], run_id: str, pool_run: bool = False) -> dict[Version, AdapterRef]:
