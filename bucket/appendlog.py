@@ -5,19 +5,30 @@ grouped into partitions of PARTITION records, so a reader that remembers the
 last sequence number it read (its cursor) lists at most two partitions per
 writer, however long the run: listing cost grows with new objects, not with
 all objects. Records are immutable once written.
+
+A log opened with `archive=True` (events) packs each completed partition into
+one gzip object and deletes its records (bucket/log_archive.py), so a long run
+adds one object per PARTITION events; `read_after` reads archived partitions
+transparently. Rollout shards are not archived: retention deletes them, and
+the trainer's cursors and group ids name their record keys.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
+from bucket import log_archive
 from bucket.store import BucketError, NotFound, Store
 
 PARTITION = 1000
 _WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+log = logging.getLogger("brigade.bucket")
 
 
 def check_writer_id(writer: str) -> str:
@@ -37,6 +48,11 @@ def record_key(prefix: str, writer: str, seq: int) -> str:
     return f"{prefix}/{writer}/{_partition_folder(seq // PARTITION)}/{str(seq).zfill(12)}.json"
 
 
+def archive_key(prefix: str, writer: str, part: int) -> str:
+    """The archive of one completed partition (log_archive): beside the partition folders, never one of them."""
+    return f"{prefix}/{writer}/{_partition_folder(part)}{log_archive.SUFFIX}"
+
+
 def parse_record_key(prefix: str, key: str) -> tuple[str, int]:
     """(writer, seq) of a key made by `record_key`."""
     parts = key.split("/")
@@ -53,31 +69,85 @@ def _seqs_in_partition(store: Store, prefix: str, writer: str, part: int) -> lis
 
 def last_seq(store: Store, prefix: str, writer: str) -> int:
     """Highest sequence number this writer has written, -1 if none."""
-    parts = [int(p) for p in store.list(f"{prefix}/{writer}") if p.isdigit()]
-    for part in sorted(parts, reverse=True):
+    return _last_seq(store, prefix, writer, store.list(f"{prefix}/{writer}"))
+
+
+def _last_seq(store: Store, prefix: str, writer: str, names: list[str]) -> int:
+    # An archived partition was complete when archived, and its records may be gone: every number up to its end
+    # counts as written, so a writer restarted after archiving never reuses one.
+    archived = log_archive.archived_partitions(names)
+    top = archived[-1] if archived else -1
+    for part in sorted((int(p) for p in names if p.isdigit()), reverse=True):
+        if part <= top:
+            break
         seqs = _seqs_in_partition(store, prefix, writer, part)
         if seqs:
             return max(seqs)
-    return -1
+    return (top + 1) * PARTITION - 1
 
 
 class LogWriter:
-    """Appends records for one writer. A restarted writer with the same id continues its numbering."""
+    """Appends records for one writer. A restarted writer with the same id continues its numbering.
 
-    def __init__(self, store: Store, prefix: str, writer: str):
+    `archive`: archive each partition this writer completes (log_archive). Archiving never fails an append:
+    an error is logged and the partition is retried at the next partition change (or by a restarted writer,
+    which also finishes what a crashed one left: a partition completed but not archived, or archived but not
+    yet emptied).
+    """
+
+    def __init__(self, store: Store, prefix: str, writer: str, archive: bool = False):
         self.store, self.prefix, self.writer = store, prefix, check_writer_id(writer)
-        self.next_seq = last_seq(store, prefix, writer) + 1
+        self.archive = archive
+        names = store.list(f"{prefix}/{writer}")
+        self.next_seq = _last_seq(store, prefix, writer, names) + 1
+        # Bytes of the records this process wrote in its open partition, so archiving reads nothing back
+        self._open_part = self.next_seq // PARTITION
+        self._written: dict[int, bytes] = {}
+        self._pending: dict[int, dict[int, bytes]] = {}  # completed partitions still to archive
+        if archive:
+            self._pending = {p: {} for p in (int(n) for n in names if n.isdigit()) if p < self._open_part}
+            self._archive_pending()
 
     def append(self, record: dict[str, Any]) -> str:
         data = json.dumps(record, sort_keys=True).encode()
         while True:
-            key = record_key(self.prefix, self.writer, self.next_seq)
+            seq = self.next_seq
+            key = record_key(self.prefix, self.writer, seq)
             # Exclusive create: a second process that was (wrongly) given the same writer id must not
             # overwrite a record; it skips ahead instead.
             if self.store.put_if_absent(key, data):
                 self.next_seq += 1
+                if self.archive:
+                    self._wrote(seq, data)
                 return key
             self.next_seq = last_seq(self.store, self.prefix, self.writer) + 1
+
+    def _wrote(self, seq: int, data: bytes) -> None:
+        part = seq // PARTITION
+        started = part > self._open_part  # the first record of a new partition: the ones before are complete
+        if started:
+            for done in range(self._open_part, part):
+                self._pending.setdefault(done, {})
+            self._pending[self._open_part] = self._written
+            self._open_part, self._written = part, {}
+        self._written[seq] = data
+        if started:
+            self._archive_pending()
+
+    def _archive_pending(self) -> None:
+        for part in sorted(self._pending):
+            folder = f"{self.prefix}/{self.writer}/{_partition_folder(part)}"
+            try:
+                key = archive_key(self.prefix, self.writer, part)
+                log_archive.archive_partition(self.store, folder, key, part, PARTITION, self._pending[part])
+            except Exception as exc:  # any bucket error: the records stay readable where they are
+                log.warning("could not archive %s/%s yet (retried later): %s", self.store.url, folder, exc)
+                continue
+            del self._pending[part]
+        newest = max(self._pending, default=None)
+        for part in self._pending:  # a bucket that keeps failing must not make this writer hold every record
+            if part != newest:
+                self._pending[part] = {}
 
 
 @dataclass(frozen=True)
@@ -128,41 +198,93 @@ def read_after(
     consumed shards oldest first, so a reader behind it (a summary, a dashboard
     started late) starts at the oldest record left; the trainer itself never
     reads behind its own deletions.
+
+    An archived partition (log_archive) is read from its archive once its
+    records are gone, or when a record listed is gone by the time it is read:
+    the archive is written before any record is deleted. A record read from an
+    archive keeps its record key (`record_key`, an object that no longer
+    exists); an archive that cannot be read is one Record with `error`, whose
+    key is the archive's and whose seq is the partition's last, so the cursor
+    moves past the partition. Each call reads a partition's archive at most
+    once, and only the archives of partitions it reads records from.
     """
     out: list[Record] = []
     for writer in writers(store, prefix) if among is None else among:
-        seq = cursors.get(writer, -1) + 1
-        present: set[int] = set()
-        listed: set[int] = set()
-        taken = 0
-        first = True  # a gap before the first record read is a deleted front, never a record still to come
-        while limit is None or taken < limit:
-            part = seq // PARTITION
-            if part not in listed:
-                present |= set(_seqs_in_partition(store, prefix, writer, part))
-                listed.add(part)
-            if seq not in present:
-                later = [s for s in present if s > seq] if first else []
-                if first and not later and writer not in cursors:  # whole partitions deleted: one more listing
-                    later = _oldest_after(store, prefix, writer, part)
-                if not later:
-                    break
-                seq = min(later)
-                continue
-            key = record_key(prefix, writer, seq)
+        out += _read_writer(store, prefix, writer, cursors.get(writer, -1), writer in cursors, limit)
+    return out
+
+
+def _read_writer(
+    store: Store, prefix: str, writer: str, cursor: int, has_cursor: bool, limit: int | None
+) -> list[Record]:
+    out: list[Record] = []
+    seq = cursor + 1
+    listed: dict[int, set[int]] = {}  # partition -> the records its listing showed (listed once per call)
+    archives: dict[int, list[log_archive.Entry] | str | None] = {}  # entries, why unreadable, or None: none
+    first = True  # a gap before the first record read is a deleted front, never a record still to come
+
+    def archived(part: int) -> list[log_archive.Entry] | str | None:
+        if part not in archives:
             try:
-                out.append(read_record(store, writer, seq, key))
-            except NotFound:  # deleted by retention between the listing and the read
-                pass
-            first = False
-            seq += 1
-            taken += 1
+                archives[part] = log_archive.read(store, archive_key(prefix, writer, part), part, PARTITION)
+            except log_archive.ArchiveCorrupt as exc:
+                archives[part] = str(exc)
+        return archives[part]
+
+    while limit is None or len(out) < limit:
+        part = seq // PARTITION
+        entries = archives.get(part)
+        if isinstance(entries, str):  # an unreadable archive stands for its whole partition
+            end = (part + 1) * PARTITION - 1
+            out.append(Record(writer, end, archive_key(prefix, writer, part), {}, entries))
+            seq, first = end + 1, False
+            continue
+        if entries is not None:
+            i = bisect_left(entries, seq, key=lambda e: e.seq)
+            if i == len(entries):
+                seq = (part + 1) * PARTITION
+                continue
+            e = entries[i]
+            out.append(Record(writer, e.seq, record_key(prefix, writer, e.seq), e.body, e.error))
+            seq, first = e.seq + 1, False
+            continue
+        if part not in listed:
+            listed[part] = set(_seqs_in_partition(store, prefix, writer, part))
+        present = listed[part]
+        if seq in present:
+            try:
+                out.append(read_record(store, writer, seq, record_key(prefix, writer, seq)))
+            except NotFound:  # gone since the listing: archived (read it from there), or deleted by retention
+                if archived(part) is not None:
+                    continue
+            seq, first = seq + 1, False
+            continue
+        later = [s for s in present if s > seq]
+        if present and not later:
+            # Caught up. Not an archived partition being emptied: its highest record is deleted last (log_archive)
+            break
+        if archived(part) is not None:  # its records gone (all, or all up to here) once archived
+            continue
+        if not first:
+            break
+        if not later and not has_cursor:  # whole partitions deleted: one more listing
+            later = _oldest_after(store, prefix, writer, part)
+        if not later:
+            break
+        seq = min(later)
     return out
 
 
 def _oldest_after(store: Store, prefix: str, writer: str, part: int) -> list[int]:
-    """The records of the writer's first non-empty partition after `part` ([] when there is none)."""
-    for later in sorted(int(p) for p in store.list(f"{prefix}/{writer}") if p.isdigit() and int(p) > part):
+    """The records of the writer's first non-empty partition after `part` ([] when there is none); for an
+    archived partition, its first number (the reader then finds the archive)."""
+    names = store.list(f"{prefix}/{writer}")
+    archived = set(log_archive.archived_partitions(names))
+    for later in sorted({int(p) for p in names if p.isdigit()} | archived):
+        if later <= part:
+            continue
+        if later in archived:
+            return [later * PARTITION]
         seqs = _seqs_in_partition(store, prefix, writer, later)
         if seqs:
             return seqs

@@ -140,7 +140,7 @@ class EventLog:
         with self._lock:
             try:
                 if self._log is None:  # opened lazily: listing the writer's folder may fail like any write
-                    self._log = appendlog.LogWriter(self.store, layout.EVENTS, self.writer)
+                    self._log = appendlog.LogWriter(self.store, layout.EVENTS, self.writer, archive=True)
                 self._log.append(record)
                 return True
             except Exception as exc:

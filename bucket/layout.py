@@ -8,6 +8,8 @@ adapters/v000001/COMMITTED.json            trainer, LAST: checksums of the files
 adapters/LATEST.json                       trainer, after COMMITTED: {"version": 1}
 rollouts/<worker>/<part>/<seq>.json        rollout worker; read once by the trainer
 events/<writer>/<part>/<seq>.json          every job: timestamped events
+events/<writer>/<part>.jsonl.gz            that writer, once <part> is complete: its records, which it then
+                                           deletes (bucket/log_archive.py); readers read it transparently
 replicas/<replica_id>.json                 replica sidecar (heartbeat rewrites it); read by the proxy
 trainer/checkpoints/v000001/...            trainer, before the adapter's COMMITTED: optimizer state + what it consumed
 trainer/LATEST.json                        trainer, after the checkpoint
@@ -24,6 +26,7 @@ Version folders (v000001) and the keys, names and paths built from them: bucket/
 Deletion has one owner, the trainer, after each publish (trainer/retention.py, [run] keep_adapters,
 keep_checkpoints, keep_rollouts): old adapter versions (COMMITTED.json first, so a half-deleted version
 reads as abandoned), old checkpoints' optimizer state (state.json stays: the ledger), consumed shards.
+Events are never deleted, only archived by their own writer.
 """
 
 from __future__ import annotations

@@ -164,6 +164,21 @@ class Store:
         except FileNotFoundError as exc:
             raise NotFound(f"{self.url}/{key} does not exist") from exc
 
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """The objects at `keys` that exist (key -> bytes), fetched concurrently where the store can (s3fs)."""
+        if not keys:
+            return {}
+        paths = {self.path(k): k for k in keys}
+        out: dict[str, bytes] = {}
+        for path, value in self.fs.cat(list(paths), on_error="return").items():
+            key = paths[str(path)]
+            if isinstance(value, FileNotFoundError):
+                continue
+            if isinstance(value, BaseException):
+                raise BucketError(f"cannot read {self.url}/{key}: {value}") from value
+            out[key] = value
+        return out
+
     def get_json(self, key: str) -> Any:
         data = self.get_bytes(key)
         try:
@@ -314,6 +329,22 @@ class Store:
             self.url,
             exc.strerror,
         )
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete objects (absent ones are fine): on S3 one DeleteObjects request per 1000 keys."""
+        if not keys:
+            return
+        if self.is_local:
+            for key in keys:
+                try:
+                    os.remove(self.path(key))
+                except FileNotFoundError:
+                    pass
+            return
+        try:
+            self.fs.rm([self.path(k) for k in keys])
+        except FileNotFoundError:
+            pass
 
     def delete(self, key: str) -> None:
         try:
