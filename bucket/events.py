@@ -136,15 +136,26 @@ class EventLog:
 
     def emit(self, kind: EventKind, **fields: Any) -> bool:
         """Append an event; returns whether it was written."""
-        record = {"ts": time.time(), "job": self.job, "kind": str(kind), **self.fields, **fields}
+        return self.emit_many([(kind, fields)])
+
+    def emit_many(self, batch: list[tuple[EventKind, dict[str, Any]]]) -> bool:
+        """Append several events as one object in the bucket (readers see them one by one, in order); returns
+        whether they were written. For a burst like a fan-out's per-replica events: one write, not one each."""
+        now = time.time()
+        records = [{"ts": now, "job": self.job, "kind": str(kind), **self.fields, **fields} for kind, fields in batch]
         with self._lock:
             try:
                 if self._log is None:  # opened lazily: listing the writer's folder may fail like any write
                     self._log = appendlog.LogWriter(self.store, layout.EVENTS, self.writer, archive=True)
-                self._log.append(record)
+                if len(records) == 1:
+                    self._log.append(records[0])
+                else:
+                    self._log.append_batch(records)
                 return True
             except Exception as exc:
-                log.warning("could not append a %s event to %s: %s", kind, self.store.url, exc)
+                kinds = ", ".join(sorted({str(kind) for kind, _ in batch}))
+                what = f"a {kinds} event" if len(batch) == 1 else f"{len(batch)} events ({kinds})"
+                log.warning("could not append %s to %s: %s", what, self.store.url, exc)
                 return False
 
 

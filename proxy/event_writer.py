@@ -22,11 +22,7 @@ class EventWriter:
         await asyncio.to_thread(self.log.emit, kind, **fields)
 
     async def emit_all(self, batch: list[tuple[EventKind, dict[str, Any]]]) -> None:
-        """Several events in order, in one trip off the event loop: a load on 64 replicas writes 65 events, and
-        65 trips, each waiting for a turn of a busy loop, held the next load back by seconds."""
-
-        def write() -> None:
-            for kind, fields in batch:
-                self.log.emit(kind, **fields)
-
-        await asyncio.to_thread(write)
+        """Several events in order, in one trip off the event loop and one object in the bucket: a load on 64
+        replicas writes 65 events; 65 trips, each waiting for a turn of a busy loop, held the next load back by
+        seconds, and 257 writes at 256 replicas were most of the proxy's CPU per version."""
+        await asyncio.to_thread(self.log.emit_many, batch)
