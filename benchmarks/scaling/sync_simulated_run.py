@@ -163,5 +163,6 @@ def run_simulated(
         **{"mode": "simulated", "max_num_seqs": max_num_seqs, "control_seqs": CONTROL_SEQS},
         **{"completion_tokens": tokens, "step_s": step_s, "by_replicas": by_replicas},
         f"p95_{counts[-1]}_vs_{counts[0]}": round(ratio, 3) if ratio else None,
+        **{f"p95_{n}": by_replicas[str(n)].get("p95_s") for n in counts},  # flat, for a record's figure
         "logs": tmp,
     }
