@@ -20,6 +20,7 @@ The last line printed is one JSON object:
   rss_growth_max           the largest growth of any job's RSS after version 50, as a fraction: the mean of the
                            last 5 samples against the mean of the 5 from version 50 on
   rss_by_job               per job: MiB at version 50, at the end and at the peak after version 50, its growth
+                           (and per process of a job of several: MiB at version 50 and at the end)
   fds_growth_max, threads_growth_max   the same for descriptors and threads, as counts
   sync_p95_drift           sync p95 of the last 100 versions against versions 50-150, as a fraction
   bucket_bytes_growth      the bucket's bytes at the end against version 150, as a fraction (objects likewise)
@@ -61,6 +62,7 @@ class Sample:
     at: float
     version: int
     jobs: dict[str, dict[str, float]]  # job -> rss_mib, fds, threads (summed over its processes)
+    processes: dict[str, float]  # "<job>/<process name>" -> RSS MiB: where a job's growth is
     bucket_objects: int
     bucket_bytes: int
 
@@ -84,6 +86,7 @@ class Sampler:
 
     def sample(self, store: Store) -> Sample:
         jobs: dict[str, dict[str, float]] = {}
+        processes: dict[str, float] = {}
         for top in psutil.Process().children():
             job = job_name(top)
             if job is None:
@@ -92,7 +95,10 @@ class Sampler:
             for p in [top, *top.children(recursive=True)]:
                 try:
                     with p.oneshot():
-                        totals["rss_mib"] += p.memory_info().rss / 2**20
+                        rss = p.memory_info().rss / 2**20
+                        name = f"{job}/{p.name()}"
+                        processes[name] = processes.get(name, 0.0) + rss
+                        totals["rss_mib"] += rss
                         totals["fds"] += p.num_fds()
                         totals["threads"] += p.num_threads()
                         totals["processes"] += 1
@@ -107,7 +113,7 @@ class Sampler:
                     objects += 1
                 except FileNotFoundError:  # deleted by retention while walking
                     pass
-        return Sample(time.time(), int(latest) if latest is not None else 0, jobs, objects, size)
+        return Sample(time.time(), int(latest) if latest is not None else 0, jobs, processes, objects, size)
 
 
 def job_name(proc: psutil.Process) -> str | None:
@@ -149,7 +155,18 @@ def growth(samples: list[Sample], baseline: int) -> dict[str, Any]:
             "threads_end": round(_mean_of(end, job, "threads") or 0, 1),
             "processes_end": end[-1].jobs.get(job, {}).get("processes"),
         }
+    for job, row in by_job.items():  # which of its processes grew (vLLM's engine, its API server, the sidecar)
+        names = sorted({n for s in after for n in s.processes if n.startswith(f"{job}/")})
+        if len(names) > 1:
+            row["rss_mib_by_process"] = {
+                n.split("/", 1)[1]: [round(_process_mean(base, n), 1), round(_process_mean(end, n), 1)] for n in names
+            }
     return by_job
+
+
+def _process_mean(samples: list[Sample], name: str) -> float:
+    values = [s.processes[name] for s in samples if name in s.processes]
+    return statistics.mean(values) if values else 0.0
 
 
 def sync_windows(bucket: str, baseline: int) -> dict[str, Any]:
@@ -202,6 +219,7 @@ def soak(versions: int, replicas: int, sample_s: float, keep: str | None) -> dic
             "run.keep_rollouts": False,  # a long run's retention, as a user's run has it (brigade local keeps them)
             "rollout.max_completion_length": 8,
             "rollout.eval_size": 0,  # evaluations would only slow the soak; they are not what it watches
+            "local.max_wall_s": 12 * 3600.0,  # brigade local's 30 minutes would cut it (~2.5 s a version)
         }
     )
     sampler = Sampler(bucket, sample_s)
