@@ -127,8 +127,8 @@ class AdapterLifecycle:
     async def step(self) -> None:
         """One look: load the newest committed version if it is new, then unload what left the window unused."""
         # One trip off the loop reads LATEST and, when it names a version to load, its marker and weights too: with
-        # hundreds of replicas the loop and the GIL are busy forwarding, and each trip waited its turn for both
-        # (three trips were most of a sync's detection at 256 simulated replicas, benchmarks/scaling/sync_simulated.py).
+        # hundreds of replicas the loop and the GIL are busy forwarding, and each trip waits its turn for both
+        # (benchmarks/scaling/sync_simulated.py at 256 replicas; docs/proxy.md, "Many replicas").
         look = await asyncio.to_thread(self._look, self.newest())
         if look is not None and self.state.routable:
             async with self._loads:
