@@ -353,6 +353,7 @@ class AdapterFanout:
             ad = self.state.loaded.pop(name, None)
             if ad is not None:
                 self.loaded_changed()
+                self.state.router.forget_model(name)
         failed = [r for r in results if not r.ok]
         await self.events.emit(
             events.UNLOADED,

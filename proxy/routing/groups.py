@@ -46,6 +46,7 @@ class Groups:
         self.reserved: dict[str, float] = {}  # the part of `load` that is reservations
         self.max_groups = max_groups
         self._table: OrderedDict[int, Group] = OrderedDict()
+        self._by_name: dict[str, list[int]] = {}  # the groups placed under each model name (see `forget_name`)
         self._reserving: deque[tuple[int, Group]] = deque()  # (route count when placed, group), oldest first
         self._routed = 0
         self._seen = 0  # requests the group size was learned from (an exact mean until 1 / GROUP_SIZE_WEIGHT)
@@ -73,9 +74,14 @@ class Groups:
             self._table.move_to_end(key)
         return g
 
-    def add(self, key: int, replica: str, sibling_cost: float) -> Group:
+    def add(self, key: int, replica: str, sibling_cost: float, name: str | None = None) -> Group:
         g = Group(replica)
         self._table[key] = g
+        if name is not None:
+            made = self._by_name.setdefault(name, [])
+            made.append(key)
+            if len(made) > 2 * self.max_groups:  # a name loaded for long: keep the groups still in the table
+                made[:] = [k for k in dict.fromkeys(made) if k in self._table]
         if len(self._table) > self.max_groups:
             self._release(self._table.popitem(last=False)[1])
         siblings = self.siblings
@@ -117,6 +123,13 @@ class Groups:
         horizon = self._routed - 2 * inflight - 2
         while queue and (queue[0][0] < horizon or queue[0][1].reserved <= 0.0):
             self._release(queue.popleft()[1])
+
+    def forget_name(self, name: str) -> None:
+        """Forget the groups placed under model `name` (an unloaded version: none of them can come back)."""
+        for key in self._by_name.pop(name, ()):
+            g = self._table.pop(key, None)
+            if g is not None:
+                self._release(g)
 
     def forget_replicas(self, removed: set[str]) -> None:
         """Removed replicas: their groups are forgotten (their reservations with them)."""

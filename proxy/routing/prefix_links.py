@@ -26,6 +26,10 @@ class PrefixLinks:
         self._links: OrderedDict[int, list] = OrderedDict()
         self._capacity: dict[str, int] = {}  # routing links each replica's KV cache holds (absent: unbounded)
         self._owned: dict[str, OrderedDict[int, None]] = {}  # links each bounded replica holds, oldest first
+        # The links made under each model name (hashes are seeded with it, so a link has one name): an unloaded
+        # version's are dropped at once (`forget_name`), not left to age out; a long run's table holds what is
+        # live. May name links evicted since (dropped at compaction).
+        self._by_name: dict[str, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._links)
@@ -70,14 +74,28 @@ class PrefixLinks:
             count += 1
         return count
 
-    def remember(self, links: list[int], replica_id: str, own: bool) -> None:
-        """Count a new prompt on each of its links; the chosen replica now holds them (unless it is a spill)."""
+    def forget_name(self, name: str) -> None:
+        """Drop every link made under model `name` (an unloaded version: vLLM's cache of it is gone with it)."""
+        table = self._links
+        for link in self._by_name.pop(name, ()):
+            entry = table.pop(link, None)
+            if entry is not None and entry[0] is not None:
+                held = self._owned.get(entry[0])
+                if held is not None:
+                    held.pop(link, None)
+
+    def remember(self, links: list[int], replica_id: str, own: bool, name: str | None = None) -> None:
+        """Count a new prompt on each of its links; the chosen replica now holds them (unless it is a spill).
+        `name`: the model the links were made under (see `forget_name`)."""
         table = self._links
         last = len(links) - 1
+        made = self._by_name.setdefault(name, []) if name is not None else None
         for i, link in enumerate(links):
             entry = table.get(link)
             if entry is None:
                 table[link] = [replica_id, 1, i == last]
+                if made is not None:
+                    made.append(link)
             else:
                 entry[1] += 1
                 entry[2] = entry[2] or i == last
@@ -89,6 +107,9 @@ class PrefixLinks:
                 table.move_to_end(link)
         while len(table) > self.max_blocks:
             table.popitem(last=False)
+        if made is not None and len(made) > 2 * self.max_blocks:
+            # A name loaded for long (the base model) outlives many of its links: keep those still in the table.
+            made[:] = [link for link in dict.fromkeys(made) if link in table]
         owned = self._owned.get(replica_id)
         if owned is not None:
             # The replica computed (or touched) these blocks: the newest in its cache. Past its capacity, the

@@ -144,6 +144,13 @@ class PrefixRouter:
             self._groups.forget_replicas(removed)
             self.sessions.forget_replicas(removed)
 
+    def forget_model(self, name: str) -> None:
+        """Model `name` was unloaded everywhere: its links and groups are forgotten (its prompts' KV went with
+        it: vLLM keys its prefix cache by adapter). Without this a long run's tables fill to their bounds with
+        versions long gone (a 718-version soak: the proxy's RSS +10 %)."""
+        self._prefixes.forget_name(name)
+        self._groups.forget_name(name)
+
     def set_draining(self, replicas: Iterable[str]) -> None:
         """Replicas asked to leave: no new group goes there while another replica can take it; the siblings of a
         group with requests in flight or expected there still follow it (the group stays whole)."""
@@ -239,7 +246,7 @@ class PrefixRouter:
         session: str | None = None,
     ) -> Decision | None:
         group, links = token_keys(token_ids, name, self.block_size)
-        return self._route_session(links, group, len(token_ids), False, exclude, n, max_tokens, session)
+        return self._route_session(name, links, group, len(token_ids), False, exclude, n, max_tokens, session)
 
     def route_text(
         self,
@@ -252,7 +259,7 @@ class PrefixRouter:
         session: str | None = None,
     ) -> Decision | None:
         group, links, tokens = text_keys(text, name, self.block_size)
-        return self._route_session(links, group, tokens, True, exclude, n, max_tokens, session)
+        return self._route_session(name, links, group, tokens, True, exclude, n, max_tokens, session)
 
     def route_any(self, exclude: Iterable[str] = ()) -> Decision | None:
         """A request without a prompt to hash: least-loaded."""
@@ -266,7 +273,9 @@ class PrefixRouter:
         bs = self._kv_block.get(rid, self.block_size)
         return tokens // bs * bs
 
-    def _route_session(self, links, group, prompt_tokens, text, exclude, n, max_tokens, session) -> Decision | None:
+    def _route_session(
+        self, name, links, group, prompt_tokens, text, exclude, n, max_tokens, session
+    ) -> Decision | None:
         """A named episode's turn where it lives if that replica may take it; else (and every request without a
         session) the rules below, and the episode lives where they put it. Arguments as `_route`'s."""
         excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
@@ -282,17 +291,18 @@ class PrefixRouter:
             if rid not in closed and open_loads and not over:
                 cached = min(self._cached(rid, home.prompt_tokens), max(prompt_tokens - 1, 0))
                 expected = min(float(max_tokens or math.inf), self.completion_tokens)
-                self._prefixes.remember(links, rid, own=True)
+                self._prefixes.remember(links, rid, own=True, name=name)
                 self.sessions.remember(session, rid, prompt_tokens)
                 self.decisions[PREFIX_HIT] += 1
                 return Decision(rid, PREFIX_HIT, 0, max(1, n) * expected + prompt_tokens - cached, None, cached)
-        decision = self._route(links, group, prompt_tokens, text, excluded, n, max_tokens)
+        decision = self._route(name, links, group, prompt_tokens, text, excluded, n, max_tokens)
         if decision is not None and session is not None:
             self.sessions.remember(session, decision.replica, prompt_tokens)
         return decision
 
     def _route(
         self,
+        name: str,
         links: list[int],
         group: int,
         prompt_tokens: int,
@@ -355,9 +365,9 @@ class PrefixRouter:
                 return None
             cached = self._cached(rid, template * unit) if template else 0
         cached = min(cached, max(prompt_tokens - 1, 0))
-        prefixes.remember(links, rid, own=kind != SPILL)
+        prefixes.remember(links, rid, own=kind != SPILL, name=name)
         self._template_links[text] = prefixes.shared_depth(links)
         sibling_cached = min(self._cached(rid, prompt_tokens), max(prompt_tokens - 1, 0))
-        groups.add(group, rid, decode + prompt_tokens - sibling_cached)
+        groups.add(group, rid, decode + prompt_tokens - sibling_cached, name)
         self.decisions[kind] += 1
         return Decision(rid, kind, matched, decode + prompt_tokens - cached, group, cached)

@@ -94,6 +94,10 @@ def test_a_version_a_request_still_names_is_not_unloaded_until_it_ends(local_sto
             ended = time.monotonic()
             await until(lambda: name(1) not in fake.loaded, "v1 unloaded once the request ended")
             assert time.monotonic() - ended >= 0.15  # and nothing named it for unload_idle_s (0.3 s, from its end)
+            # What the router learnt of v1's prompt (2 blocks of 16 tokens, one group) went with v1: a long run's
+            # routing tables hold the live versions' prompts, not every version's.
+            await until(lambda: name(1) not in proxy.loaded, "v1 forgotten by the proxy")
+            assert proxy.router.known_blocks() == 0 and proxy.router.known_groups() == 0
 
     asyncio.run(body())
 

@@ -169,6 +169,42 @@ def test_block_memory_is_bounded():
     assert r.route_tokens("m", prompt(19)).kind == PREFIX_HIT  # the most recent survive
 
 
+def test_an_unloaded_models_links_and_groups_are_forgotten_and_others_kept():
+    """A long run loads a version per step: an unloaded one's links and groups go with it, or the tables fill
+    with versions long gone (the proxy's RSS grew 10 % over a 718-version soak)."""
+    r = router(("r0", "r1"), max_blocks=10_000, max_groups=10_000)
+    teach_group_size(r, 4)
+    other_blocks, other_groups = r.known_blocks(), r.known_groups()  # another model's, kept throughout
+    for i in range(12):
+        r.start(r.route_tokens("run-v000001", prompt(i)))
+        r.route_text("run-v000001", f"a text prompt {i} " * 20)
+    kept = r.route_tokens("run-v000002", prompt(0))
+    r.start(kept)
+    old_groups, blocks_before = r.known_groups(), r.known_blocks()
+    reserved_before = sum(r._groups.reserved.values())
+    assert reserved_before > 0  # the old version's groups still expect siblings
+    r.forget_model("run-v000001")
+    # The other model's and v2's (one prompt, one group) are left.
+    v2_blocks = len(token_block_hashes(prompt(0), "run-v000002", 16))
+    assert r.known_blocks() == other_blocks + v2_blocks < blocks_before
+    assert r.known_groups() == other_groups + 1 < old_groups
+    assert sum(r._groups.reserved.values()) == pytest.approx(r._groups.get(kept.group).reserved)
+    assert r.route_tokens("run-v000002", prompt(0)).kind == PREFIX_HIT  # the live version is still routed home
+    assert r.route_tokens("run-v000001", prompt(5)).kind == NEW  # the old one starts over (if it came back)
+    r.forget_model("never-loaded")  # a name the router never saw: nothing happens
+    assert r.known_groups() == other_groups + 2
+
+
+def test_a_long_lived_models_link_list_stays_bounded():
+    r = router(max_blocks=20)
+    for i in range(200):
+        r.route_tokens("base", prompt(i))
+    assert r.known_blocks() == 20
+    assert len(r._prefixes._by_name["base"]) <= 2 * 20 + len(token_block_hashes(prompt(0), "base", 16))
+    r.forget_model("base")
+    assert r.known_blocks() == 0
+
+
 def test_off_template_prompt_does_not_cancel_the_discount():
     """One prompt without the template must not make the template a routing signal again (per-link counts)."""
     r = router(("r0", "r1"))
