@@ -45,6 +45,7 @@ from bucket.manifest import RunManifest
 from bucket.pool import PoolManifest
 from bucket.replicas import ReplicaInfo
 from bucket.store import Store
+from jobkit.memory import release_forever
 from proxy.adapters.fanout import AdapterFanout
 from proxy.adapters.lifecycle import AdapterLifecycle
 from proxy.adapters.live_writer import LiveWriter
@@ -72,6 +73,8 @@ from proxy.tinker.routes import tinker_endpoint
 from proxy.tinker.service import TinkerService
 
 log = logging.getLogger("brigade.proxy")
+
+RELEASE_MEMORY_S = 30.0  # how often what the proxy freed goes back to the OS (jobkit/memory.py)
 
 
 class Proxy:
@@ -168,6 +171,7 @@ class Proxy:
             self.state, self.forwarder, self.passthrough, self.membership, self.autoscaler, self.events, self.pool
         )
         self._snapshots: asyncio.Task | None = None
+        self._trims: asyncio.Task | None = None
         # The Tinker API (proxy/tinker/): on a run whose run.json says api = "tinker" only.
         self.tinker = (
             TinkerService(self.state, self.forwarder, self.lifecycle, config.tinker_session_timeout_s)
@@ -228,6 +232,8 @@ class Proxy:
         await self.membership.start()
         await self.lifecycle.start()  # after membership: what the replicas already hold is adopted first
         self._snapshots = asyncio.create_task(self.status.snapshot_forever())
+        # What the proxy freed goes back to the OS (jobkit/memory.py): its RSS is what it holds, not a high-water mark.
+        self._trims = asyncio.create_task(release_forever(RELEASE_MEMORY_S))
         await self.autoscaler.start()
         if self.tinker is not None:
             await self.tinker.start()
@@ -248,9 +254,10 @@ class Proxy:
         if self.pool is not None:
             await self.pool.close()
         await self.autoscaler.close()
-        if self._snapshots is not None:
-            self._snapshots.cancel()
-            await asyncio.gather(self._snapshots, return_exceptions=True)
+        for task in (self._snapshots, self._trims):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.lifecycle.close()
         await self.membership.close()
         self.connections.close()

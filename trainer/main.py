@@ -20,6 +20,7 @@ from bucket.config import BucketConfig, ConfigError, open_bucket
 from bucket.manifest import RunSpec, init_or_check
 from bucket.rollouts import GroupId, ScoredGroup
 from bucket.store import Store
+from jobkit.memory import release_free_memory
 from trainer.config import TrainerConfig
 from trainer.distributed import DataParallel
 from trainer.families import check_model
@@ -97,6 +98,9 @@ def _train(trainer: Trainer, settings: TrainerConfig, store: Store, dp: DataPara
         stop.doing = f"step {trainer.step + 1}"
         # the wait goes into the step's event: the proxy asks for more replicas while the trainer waits
         trainer.train_step(batch, wait_s=time.monotonic() - asked)
+        # What the step freed goes back to the OS (jobkit/memory.py): RSS shows what the trainer holds, not the
+        # high-water mark of its largest step so far. ~0.1-6 ms, against a step of seconds.
+        release_free_memory()
         due = trainer.step % settings.weight_sync_steps == 0 or trainer.step == settings.max_steps
         if dp.is_main and (due or stop.requested):  # on a stop, the step just finished is published too
             _publish(trainer, published)

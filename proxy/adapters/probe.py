@@ -34,7 +34,7 @@ from bucket.version import Version
 from proxy.config import ProxyConfig
 from proxy.event_writer import EventWriter
 from proxy.lora_paths import AdapterRef, error_message
-from proxy.replicas.upstream import Upstream
+from proxy.replicas.upstream import Answer, Upstream
 from proxy.state import ProxyState
 
 log = logging.getLogger("brigade.proxy")
@@ -119,7 +119,7 @@ def judge(got: list[float], adapter: list[float], base: list[float], cfg: ProxyC
     )
 
 
-def _next_token_logprobs(resp: httpx.Response, expected: list[int]) -> list[float | None]:
+def _next_token_logprobs(resp: Answer, expected: list[int]) -> list[float | None]:
     """Per prompt i of the probe, the replica's logprob of its next token expected[i] (None where it lacks it)."""
     out: list[float | None] = [None] * len(expected)
     try:
