@@ -164,6 +164,7 @@ class CanaryProbe:
         # once, not once per replica. Keyed by version (never reused for other weights), name, positions and
         # whether it carries a priority.
         self._bodies: dict[tuple[Version, str, tuple[int, ...], bool], bytes] = {}
+        self._ranked: dict[tuple[Version, str], list[int]] = {}  # each version's canary positions, most telling first
 
     async def probe_joiner(self, info: ReplicaInfo) -> str | None:
         """Before a joiner gets traffic: the probe of every loaded version (None = it serves them all)."""
@@ -180,7 +181,11 @@ class CanaryProbe:
         if canary is None:
             return ProbeVerdict(True, "no_canary")
         cfg = self.state.config
-        ranked = ranked_positions(canary)
+        ranked = self._ranked.get((ad.version, ad.lora_name))  # a pool's runs share version numbers, not names
+        if ranked is None:  # once per version, not once per replica (a fan-out asks every replica the same)
+            if len(self._ranked) >= KEPT_BODIES:
+                self._ranked.clear()
+            ranked = self._ranked[(ad.version, ad.lora_name)] = ranked_positions(canary)
         limit = min(len(ranked), max(cfg.canary_positions, cfg.canary_max_positions))
         width = min(cfg.canary_positions, limit)
         answers: dict[int, float] = {}

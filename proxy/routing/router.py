@@ -282,13 +282,13 @@ class PrefixRouter:
         home = self.sessions.home(session) if session is not None else None
         if home is not None and home.replica in self._load:
             rid, closed = home.replica, self._closed(excluded)
-            open_loads = [self._load[r] for r in self._loads.order if r not in closed]
+            lowest = self._loads.lowest(closed)
             # Moving computes the whole conversation again, and loads even out as turns end: an episode leaves
             # its replica for load only SESSION_BOUND allowances ahead of the least loaded (benchmarks.proxy.multiturn:
             # at 2 allowances 0.5 % of turns moved, 1-3 % of episodes split, 3-4 % more prompt tokens computed,
             # and no better balance).
-            over = bool(open_loads) and self._load[rid] - min(open_loads) > SESSION_BOUND * self._allowance()
-            if rid not in closed and open_loads and not over:
+            over = lowest is not None and self._load[rid] - lowest > SESSION_BOUND * self._allowance()
+            if rid not in closed and lowest is not None and not over:
                 cached = min(self._cached(rid, home.prompt_tokens), max(prompt_tokens - 1, 0))
                 expected = min(float(max_tokens or math.inf), self.completion_tokens)
                 self._prefixes.remember(links, rid, own=True, name=name)
@@ -315,10 +315,9 @@ class PrefixRouter:
         closed = self._closed(excluded)  # where a new (or moving) group may not go
         groups = self._groups
         groups.expire(self._loads.total_inflight)
-        loads = [self._load[r] for r in self._loads.order if r not in closed]
-        if not loads:
+        low = self._loads.lowest(closed)
+        if low is None:
             return None
-        low = min(loads)
         n = max(1, n)
         expected = self.completion_tokens if not max_tokens else min(float(max_tokens), self.completion_tokens)
         decode = n * expected
