@@ -11,6 +11,7 @@ leaking. Measured on a torch process holding ~480 MiB with ~100 MiB freed: one `
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import sys
@@ -41,8 +42,6 @@ def release_free_memory() -> bool:
 
 async def release_forever(every_s: float) -> None:
     """`release_free_memory` every `every_s` seconds, for an asyncio job (the proxy): a few ms at most, on its loop."""
-    import asyncio
-
     while True:
         await asyncio.sleep(every_s)
         release_free_memory()
