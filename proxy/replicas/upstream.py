@@ -76,11 +76,10 @@ def _no_answer(info: ReplicaInfo, exc: httpx.HTTPError, attempts: int = 1) -> Re
 class Answer:
     """A replica's whole answer to one of the proxy's own calls."""
 
-    __slots__ = ("status_code", "headers", "content")
+    __slots__ = ("status_code", "content")
 
-    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+    def __init__(self, status_code: int, content: bytes) -> None:
         self.status_code = status_code
-        self.headers = headers  # lower-case names, hop-by-hop headers left out
         self.content = content
 
     @property
@@ -199,7 +198,7 @@ class Upstream:
                 headers=headers,
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
-            return Answer(resp.status_code, [(k.lower(), v) for k, v in resp.headers.raw], resp.content)
+            return Answer(resp.status_code, resp.content)
         if self._clients is None:
             raise RuntimeError("the proxy is not started")
         pool = self._pools.get(url)
@@ -214,12 +213,12 @@ class Upstream:
         silence = self.config.request_timeout_s if timeout is None else timeout
         while True:
             try:
-                status, headers, answer = await fetch(pool, data, silence, timeout)
+                status, _headers, answer = await fetch(pool, data, silence, timeout)
             except UpstreamError as exc:
                 if exc.reused and not exc.timed_out:
                     continue  # a kept-alive connection the replica had closed (it never saw this): a fresh one
                 raise _as_httpx(exc) from None
-            return Answer(status, headers, answer)
+            return Answer(status, answer)
 
     async def probe(self, info: ReplicaInfo, path: str, query: str = "", timeout: float = PROBE_TIMEOUT_S) -> Answer:
         """A GET with a short timeout: a replica too busy to answer it soon is treated as not answering."""
